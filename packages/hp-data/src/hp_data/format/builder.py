@@ -1,0 +1,286 @@
+"""`IndexedDatasetBuilder`: write a Megatron `.bin`/`.idx` pair atomically in bounded memory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hp_data.errors import IndexedDatasetError
+from hp_data.format.dtypes import DTypeLike, as_token_dtype, check_token_range
+from hp_data.format.header import bin_path, idx_path, pack_header, prefix_of
+from hp_data.format.reader import IndexedDataset
+
+_INT32_MAX = np.iinfo(np.int32).max
+COPY_BUFFER = 16 << 20
+
+
+class _SpillColumn:
+    """An append-only column of numbers that spills to a file in fixed-size blocks.
+
+    The builder keeps lengths, boundaries and modes here instead of Python lists, so memory
+    stays flat however many sequences and documents pass through.
+    """
+
+    BLOCK = 1 << 16
+
+    def __init__(self, path: str, dtype: type) -> None:
+        self._path = path
+        self._file = open(path, "w+b")  # noqa: SIM115 - closed by close()
+        self._buffer = np.empty(self.BLOCK, dtype=dtype)
+        self._filled = 0
+        self.count = 0
+        self.last = 0  # the most recently appended value
+
+    def append(self, value: int) -> None:
+        if self._filled == self.BLOCK:
+            self._flush()
+        self._buffer[self._filled] = value
+        self._filled += 1
+        self.count += 1
+        self.last = value
+
+    def extend(self, values: np.ndarray) -> None:
+        if len(values) < self.BLOCK - self._filled:
+            self._buffer[self._filled : self._filled + len(values)] = values
+            self._filled += len(values)
+        else:
+            self._flush()
+            self._file.write(np.ascontiguousarray(values, dtype=self._buffer.dtype).tobytes())
+        if len(values):
+            self.count += len(values)
+            self.last = int(values[-1])
+
+    def _flush(self) -> None:
+        self._file.write(self._buffer[: self._filled].tobytes())
+        self._filled = 0
+
+    def blocks(self, size: int = 1 << 20) -> Iterator[np.ndarray]:
+        """Everything appended so far, in order, `size` items at a time."""
+        self._flush()
+        self._file.flush()
+        self._file.seek(0)
+        while True:
+            block = np.fromfile(self._file, dtype=self._buffer.dtype, count=size)
+            if len(block) == 0:
+                return
+            yield block
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class IndexedDatasetBuilder:
+    """Build `PREFIX.bin` and `PREFIX.idx`, byte-identical to megatron-core's builder.
+
+    Data goes to a hidden temporary directory beside the output; `finalize()` renames the
+    finished `.bin` and then the `.idx` into place, so a failure or a kill at any point leaves
+    nothing at the final paths. Used as a context manager it finalizes on success and cleans
+    up on an exception. Token ids outside `dtype`'s range raise instead of wrapping around.
+    """
+
+    def __init__(
+        self, prefix: str | os.PathLike[str], dtype: DTypeLike = np.int32, multimodal: bool = False
+    ) -> None:
+        self.prefix = prefix_of(prefix)
+        self.dtype = as_token_dtype(dtype)
+        self.multimodal = multimodal
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._tmp = tempfile.mkdtemp(
+                prefix=f".{os.path.basename(self.prefix)}.hp-tmp-", dir=directory
+            )
+        except OSError as exc:
+            raise IndexedDatasetError(f"{directory}: cannot write here: {exc.strerror}") from None
+        self._bin = open(os.path.join(self._tmp, "data.bin"), "wb")  # noqa: SIM115
+        self._lengths = _SpillColumn(os.path.join(self._tmp, "lengths"), np.int32)
+        self._documents = _SpillColumn(os.path.join(self._tmp, "documents"), np.int64)
+        self._documents.append(0)
+        self._modes = (
+            _SpillColumn(os.path.join(self._tmp, "modes"), np.int8) if multimodal else None
+        )
+        self._done = False
+
+    @property
+    def sequence_count(self) -> int:
+        return self._lengths.count
+
+    @property
+    def document_count(self) -> int:
+        return self._documents.count - 1
+
+    def _tokens(self, tokens: Any) -> np.ndarray:
+        self._check_open()
+        array = np.asarray(tokens).reshape(-1)
+        check_token_range(array, self.dtype)
+        return array.astype(self.dtype, copy=False)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise IndexedDatasetError(f"{self.prefix}: builder already finalized or aborted")
+
+    def add_item(self, tokens: Any, mode: int = 0) -> None:
+        """Append one sequence (a list, numpy array or CPU tensor of token ids)."""
+        array = self._tokens(tokens)
+        if array.size > _INT32_MAX:
+            raise IndexedDatasetError(
+                f"a sequence of {array.size} tokens exceeds the format's int32 length; split it"
+            )
+        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._lengths.append(array.size)
+        if self._modes is not None:
+            self._modes.append(mode)
+
+    def end_document(self) -> None:
+        """Close the current document after the sequences added with `add_item`."""
+        self._check_open()
+        self._documents.append(self._lengths.count)
+
+    def add_document(
+        self, tokens: Any, lengths: Sequence[int] | np.ndarray, modes: Any = None
+    ) -> None:
+        """Append one document: `tokens` split into sequences of `lengths`."""
+        array = self._tokens(tokens)
+        lengths_array = self._lengths_of(lengths, array.size)
+        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._lengths.extend(lengths_array)
+        if self._modes is not None:
+            modes_array = np.zeros(len(lengths_array), np.int8) if modes is None else modes
+            modes_array = np.asarray(modes_array, dtype=np.int8).reshape(-1)
+            if len(modes_array) != len(lengths_array):
+                raise IndexedDatasetError(
+                    f"add_document: {len(modes_array)} modes for {len(lengths_array)} sequences"
+                )
+            self._modes.extend(modes_array)
+        self._documents.append(self._lengths.count)
+
+    def add_documents(self, tokens: Any, lengths: Sequence[int] | np.ndarray) -> None:
+        """Append `len(lengths)` documents of one sequence each, in one write.
+
+        The bulk form of `add_document(doc, [len(doc)])` per document, which is how Megatron's
+        preprocessing writes a corpus; the bytes are the same.
+        """
+        array = self._tokens(tokens)
+        lengths_array = self._lengths_of(lengths, array.size)
+        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        first = self._lengths.count
+        self._lengths.extend(lengths_array)
+        if self._modes is not None:
+            self._modes.extend(np.zeros(len(lengths_array), np.int8))
+        self._documents.extend(np.arange(first + 1, first + 1 + len(lengths_array), dtype=np.int64))
+
+    def _lengths_of(self, lengths: Sequence[int] | np.ndarray, token_count: int) -> np.ndarray:
+        lengths_array = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if lengths_array.size and (lengths_array.min() < 0 or lengths_array.max() > _INT32_MAX):
+            raise IndexedDatasetError(
+                f"sequence lengths must be between 0 and {_INT32_MAX}, "
+                f"got min {lengths_array.min()} and max {lengths_array.max()}"
+            )
+        if int(lengths_array.sum()) != token_count:
+            raise IndexedDatasetError(
+                f"lengths sum to {int(lengths_array.sum())} but there are {token_count} tokens"
+            )
+        return lengths_array
+
+    def add_index(self, other: str | os.PathLike[str]) -> None:
+        """Append every document of another dataset, streaming its `.bin` (dtypes must match)."""
+        self._check_open()
+        with IndexedDataset(other, multimodal=self.multimodal) as source:
+            if source.dtype != self.dtype:
+                raise IndexedDatasetError(
+                    f"{source.idx_path}: dtype {source.dtype} differs from the output's "
+                    f"{self.dtype}; datasets of different dtypes cannot be concatenated"
+                )
+            offset = self._lengths.count
+            step = 1 << 20
+            for start in range(0, len(source), step):
+                self._lengths.extend(source.sequence_lengths[start : start + step])
+                if self._modes is not None and source.sequence_modes is not None:
+                    self._modes.extend(source.sequence_modes[start : start + step])
+            boundaries = source.document_indices
+            for start in range(1, len(boundaries), step):
+                self._documents.extend(boundaries[start : start + step] + offset)
+            with open(source.bin_path, "rb") as data:
+                shutil.copyfileobj(data, self._bin, COPY_BUFFER)
+
+    def finalize(self) -> str:
+        """Write the index and move both files into place; returns the prefix.
+
+        Sequences added after the last `end_document()` form a final document (megatron-core
+        would write an index its own reader rejects).
+        """
+        self._check_open()
+        if self._documents.last != self._lengths.count:
+            self._documents.append(self._lengths.count)
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            tmp_idx = os.path.join(self._tmp, "index.idx")
+            with open(tmp_idx, "wb") as index:
+                self._write_index(index)
+                index.flush()
+                os.fsync(index.fileno())
+            # An old .idx goes first and the new one lands last, so no reader ever sees a
+            # new .bin paired with a stale .idx: the .idx rename is the commit point.
+            if os.path.exists(idx_path(self.prefix)):
+                os.remove(idx_path(self.prefix))
+            os.replace(self._bin.name, bin_path(self.prefix))
+            os.replace(tmp_idx, idx_path(self.prefix))
+        except BaseException:
+            if not os.path.exists(idx_path(self.prefix)) and os.path.exists(bin_path(self.prefix)):
+                os.remove(bin_path(self.prefix))
+            self.abort()
+            raise
+        self._cleanup()
+        return self.prefix
+
+    def _write_index(self, index: Any) -> None:
+        itemsize = self.dtype.itemsize
+        index.write(pack_header(self.dtype, self._lengths.count, self._documents.count))
+        for block in self._lengths.blocks():
+            index.write(block.tobytes())
+        running = 0
+        for block in self._lengths.blocks():
+            ends = np.cumsum(block, dtype=np.int64) * itemsize + running
+            starts = np.empty_like(ends)
+            starts[0] = running
+            starts[1:] = ends[:-1]
+            index.write(starts.tobytes())
+            running = int(ends[-1])
+        for block in self._documents.blocks():
+            index.write(block.tobytes())
+        if self._modes is not None:
+            for block in self._modes.blocks():
+                index.write(block.tobytes())
+
+    def abort(self) -> None:
+        """Discard everything written so far; nothing appears at the final paths."""
+        if not self._done:
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._done = True
+        self._bin.close()
+        for column in (self._lengths, self._documents, self._modes):
+            if column is not None:
+                column.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> IndexedDatasetBuilder:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None and not self._done:
+            self.finalize()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_done", True) is False:
+            self.abort()

@@ -1,0 +1,64 @@
+"""Concatenate datasets into one, streaming, in the order given."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable
+
+from hp_data.errors import IndexedDatasetError
+from hp_data.format.builder import IndexedDatasetBuilder
+from hp_data.format.header import bin_path, idx_path, prefix_of, read_layout
+
+
+def expand_prefixes(specs: Iterable[str]) -> list[str]:
+    """Dataset prefixes for prefixes, `.bin`/`.idx` paths, globs and directories.
+
+    A directory stands for every `*.idx` in it and a glob for every match, each sorted by
+    name; the order of `specs` is kept and a prefix named twice is kept once.
+    """
+    prefixes: list[str] = []
+    for spec in specs:
+        if os.path.isdir(spec):
+            matches = sorted(glob.glob(os.path.join(glob.escape(spec), "*.idx")))
+            if not matches:
+                raise IndexedDatasetError(f"{spec}: directory holds no .idx files")
+        elif glob.has_magic(spec):
+            matches = sorted(glob.glob(spec))
+            if not matches:
+                raise IndexedDatasetError(f"{spec}: pattern matches no files")
+        else:
+            matches = [spec]
+        for match in matches:
+            prefix = prefix_of(match)
+            if prefix not in prefixes:
+                prefixes.append(prefix)
+    return prefixes
+
+
+def merge_datasets(out_prefix: str, in_prefixes: list[str], multimodal: bool = False) -> str:
+    """Write `out_prefix` as the concatenation of `in_prefixes`; returns the output prefix.
+
+    Every input header is checked before anything is written, so a mixed-dtype merge fails
+    fast and leaves no output.
+    """
+    if not in_prefixes:
+        raise IndexedDatasetError("merge needs at least one input dataset")
+    out_prefix = prefix_of(out_prefix)
+    layouts = [read_layout(idx_path(prefix), multimodal) for prefix in in_prefixes]
+    for prefix in in_prefixes:
+        if os.path.abspath(prefix) == os.path.abspath(out_prefix):
+            raise IndexedDatasetError(f"{prefix}: output prefix is also an input; choose another")
+        if not os.path.exists(bin_path(prefix)):
+            raise IndexedDatasetError(f"{bin_path(prefix)}: no such file")
+    dtypes = {layout.dtype for layout in layouts}
+    if len(dtypes) > 1:
+        described = ", ".join(f"{layout.path} is {layout.dtype}" for layout in layouts)
+        raise IndexedDatasetError(
+            f"cannot merge datasets of different dtypes ({described}); "
+            f"re-tokenize them with one --dtype"
+        )
+    with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal=multimodal) as builder:
+        for prefix in in_prefixes:
+            builder.add_index(prefix)
+    return out_prefix

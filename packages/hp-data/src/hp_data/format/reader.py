@@ -1,0 +1,224 @@
+"""`IndexedDataset`: read a Megatron `.bin`/`.idx` pair, checked on open, zero-copy when mmapped."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from hp_data.errors import IndexedDatasetError
+from hp_data.format.header import (
+    IndexLayout,
+    bin_path,
+    idx_path,
+    map_array,
+    map_file,
+    map_index_arrays,
+    read_layout,
+)
+from hp_data.format.validate import array_problems, bin_size_problem
+
+
+class IndexedDataset:
+    """A tokenised corpus in Megatron's IndexedDataset v1 format.
+
+    `ds[i]` is sequence `i` (a read-only view of the `.bin` when `mmap=True`), `ds[a:b]` a list
+    of contiguous sequences, `ds.get_document(d)` all tokens of document `d`. For multimodal
+    datasets `ds[i]` returns `(tokens, mode)` and slices `(list, modes)`, as in megatron-core.
+
+    Opening checks every structural invariant (see `hp_data.format.validate`) and raises
+    `IndexedDatasetError` naming the file; pass `validate=False` to skip the array checks
+    (the header and file sizes are always checked).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        mmap: bool = True,
+        multimodal: bool = False,
+        validate: bool = True,
+    ) -> None:
+        self.path_prefix = os.fspath(path)
+        self.mmap = mmap
+        self.multimodal = multimodal
+        self._validate = validate
+        self._open()
+
+    def _open(self) -> None:
+        self.idx_path = idx_path(self.path_prefix)
+        self.bin_path = bin_path(self.path_prefix)
+        self.path_prefix = self.idx_path[:-4]
+        self._layout: IndexLayout = read_layout(self.idx_path, self.multimodal)
+        layout = self._layout
+        self.dtype: np.dtype = layout.dtype
+        self._itemsize = layout.dtype.itemsize
+
+        self._lengths, self._pointers, self._documents, self._modes = map_index_arrays(
+            layout, with_modes=self.multimodal
+        )
+
+        try:
+            self._bin_file = open(self.bin_path, "rb")  # noqa: SIM115 - lives as long as self
+        except FileNotFoundError:
+            raise IndexedDatasetError(
+                f"{self.bin_path}: no such file (the .idx exists; copy or rebuild the .bin)"
+            ) from None
+        except OSError as exc:
+            raise IndexedDatasetError(f"{self.bin_path}: cannot read: {exc.strerror}") from None
+        bin_size = os.fstat(self._bin_file.fileno()).st_size
+        if self._validate:
+            problems: Iterable[str] = array_problems(
+                self._lengths,
+                self._pointers,
+                self._documents,
+                self._itemsize,
+                bin_size,
+                self.idx_path,
+                self.bin_path,
+            )
+        else:
+            expected = int(self._lengths.sum(dtype=np.int64)) * self._itemsize
+            problem = bin_size_problem(expected, self._itemsize, bin_size, self.bin_path)
+            problems = [problem] if problem else []
+        for problem in problems:
+            self.close()
+            raise IndexedDatasetError(problem)
+        self._bin_map = map_file(self._bin_file, bin_size) if self.mmap else None
+
+    # -- the index -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._layout.sequence_count
+
+    @property
+    def num_documents(self) -> int:
+        return self._layout.document_count - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._bin_size() // self._itemsize
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 tokens per sequence."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of each sequence in the `.bin`."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 sequence boundaries of documents: document d is sequences [b[d], b[d+1])."""
+        return self._documents
+
+    @property
+    def sequence_modes(self) -> np.ndarray | None:
+        """int8 mode per sequence for multimodal datasets, else None."""
+        return self._modes
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        if self._bin_map is not None:
+            return map_array(self._bin_map, self.dtype, count, byte_offset)
+        out = np.empty(count, dtype=self.dtype)
+        got = os.preadv(self._bin_file.fileno(), [memoryview(out).cast("B")], byte_offset)
+        if got != out.nbytes:
+            raise IndexedDatasetError(f"{self.bin_path}: short read at byte {byte_offset}")
+        return out
+
+    def _sequence_index(self, idx: int) -> int:
+        count = len(self)
+        if not -count <= idx < count:
+            raise IndexError(f"sequence {idx} out of range for {count} sequences")
+        return idx + count if idx < 0 else idx
+
+    def __getitem__(self, idx: int | np.integer | slice) -> Any:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("slices of an IndexedDataset must be contiguous (step 1)")
+            stop = max(start, stop)
+            lengths = self._lengths[start:stop]
+            if len(lengths) == 0:
+                tokens: list[np.ndarray] = []
+            else:
+                flat = self._read(int(self._pointers[start]), int(lengths.sum(dtype=np.int64)))
+                tokens = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64))
+            if self._modes is not None:
+                return tokens, self._modes[start:stop]
+            return tokens
+        if isinstance(idx, (int, np.integer)):
+            return self.get(int(idx))
+        raise TypeError(f"IndexedDataset indices must be int or slice, not {type(idx).__name__}")
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> Any:
+        """Tokens `[offset, offset + length)` of sequence `idx` (to its end when length is None)."""
+        idx = self._sequence_index(int(idx))
+        size = int(self._lengths[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence {idx} "
+                f"of length {size}"
+            )
+        tokens = self._read(int(self._pointers[idx]) + offset * self._itemsize, length)
+        if self._modes is not None:
+            return tokens, self._modes[idx]
+        return tokens
+
+    def get_document(self, doc: int) -> np.ndarray:
+        """All tokens of document `doc`, its sequences back to back (one contiguous read)."""
+        count = self.num_documents
+        if not -count <= doc < count:
+            raise IndexError(f"document {doc} out of range for {count} documents")
+        doc = doc + count if doc < 0 else doc
+        first, end = int(self._documents[doc]), int(self._documents[doc + 1])
+        if first == end:
+            return np.empty(0, dtype=self.dtype)
+        last = end - 1
+        stop = int(self._pointers[last]) + int(self._lengths[last]) * self._itemsize
+        start = int(self._pointers[first])
+        return self._read(start, (stop - start) // self._itemsize)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def _bin_size(self) -> int:
+        return os.fstat(self._bin_file.fileno()).st_size
+
+    def close(self) -> None:
+        """Release the file handle and maps; views handed out keep their memory alive."""
+        self._bin_map = None
+        bin_file = getattr(self, "_bin_file", None)
+        if bin_file is not None:
+            bin_file.close()
+
+    def __enter__(self) -> IndexedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Maps and file handles do not pickle; a DataLoader worker reopens by path.
+        return {
+            "path_prefix": self.path_prefix,
+            "mmap": self.mmap,
+            "multimodal": self.multimodal,
+            "_validate": False,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.path_prefix!r}, dtype={self.dtype}, sequences={len(self)}, "
+            f"documents={self.num_documents})"
+        )
