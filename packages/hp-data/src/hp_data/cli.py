@@ -1,0 +1,181 @@
+"""The `hp-data` command: parse arguments, call the library, print. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from hp_data.errors import HpDataError
+from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
+from hp_data.format.validate import dataset_problems
+from hp_data.preprocess import preprocess
+from hp_data.progress import human
+from hp_data.summary import format_report, summarize
+from hp_data.tokenize import load_tokenizer
+
+
+class _Group(click.Group):
+    """Turns hp-data's own errors and OS errors into one line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HpDataError as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise click.ClickException(f"{where}{exc.strerror or exc}") from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hp-data")
+def main() -> None:
+    """Build, check, merge and inspect Megatron-format (.bin/.idx) token datasets."""
+
+
+@main.command()
+@click.argument("path")
+@click.option("--check", is_flag=True, help="Verify every invariant; exit 1 listing what is wrong.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option(
+    "--show",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Decode the first N documents (needs --tokenizer).",
+)
+@click.option(
+    "--tokenizer", type=click.Path(), help="tokenizer.json (or its directory) for --show."
+)
+@click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
+def inspect(
+    path: str, check: bool, as_json: bool, show: int, tokenizer: str | None, multimodal: bool
+) -> None:
+    """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
+    if show and not tokenizer:
+        raise click.UsageError("--show needs --tokenizer")
+    if check:
+        problems = dataset_problems(path, multimodal)
+        if problems:
+            if as_json:
+                click.echo(json.dumps({"ok": False, "problems": problems}))
+            else:
+                click.echo(f"{len(problems)} problem(s):", err=True)
+                for problem in problems:
+                    click.echo(f"  {problem}", err=True)
+            sys.exit(1)
+    with IndexedDataset(path, multimodal=multimodal) as dataset:
+        report = summarize(dataset)
+        if check:
+            report["ok"] = True
+        if show:
+            decoder = load_tokenizer(tokenizer)  # type: ignore[arg-type]
+            report["shown"] = [
+                {"document": d, "text": decoder.decode(dataset.get_document(d).tolist())}
+                for d in range(min(show, dataset.num_documents))
+            ]
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(format_report(report))
+    if check:
+        click.echo("check: ok, every invariant holds")
+    for shown in report.get("shown", []):
+        click.echo(f"--- document {shown['document']} ---")
+        click.echo(shown["text"])
+
+
+@main.command()
+@click.argument("out_prefix")
+@click.argument("inputs", nargs=-1, required=True)
+def merge(out_prefix: str, inputs: tuple[str, ...]) -> None:
+    """Concatenate datasets INPUTS (prefixes, globs or directories) into OUT_PREFIX, in order."""
+    prefixes = expand_prefixes(inputs)
+    merge_datasets(out_prefix, prefixes)
+    with IndexedDataset(out_prefix, validate=False) as merged:
+        click.echo(
+            f"merged {len(prefixes)} dataset(s) into {merged.path_prefix}: "
+            f"{merged.num_documents:,} documents, {merged.num_tokens:,} tokens, {merged.dtype}"
+        )
+
+
+@main.command(name="preprocess")
+@click.argument("corpus", nargs=-1, required=True)
+@click.option(
+    "--out", "out_prefix", required=True, help="Output prefix: writes OUT.bin and OUT.idx."
+)
+@click.option("--tokenizer", required=True, help="tokenizer.json, or a directory holding one.")
+@click.option(
+    "--json-keys",
+    default="text",
+    show_default=True,
+    help="The JSON key holding each document's text.",
+)
+@click.option(
+    "--append-eod", is_flag=True, help="Append the end-of-document token to each document."
+)
+@click.option(
+    "--eod-token",
+    default=None,
+    help="The end-of-document token [default: the first of <|endoftext|>, "
+    "<|end_of_text|>, </s>, <eos>, <|eos|> in the vocabulary].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["uint8", "uint16", "int32", "int64"]),
+    default=None,
+    help="Token dtype [default: uint16 if the vocabulary fits, else int32].",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Documents per tokenizer call.",
+)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def preprocess_command(
+    corpus: tuple[str, ...],
+    out_prefix: str,
+    tokenizer: str,
+    json_keys: str,
+    append_eod: bool,
+    eod_token: str | None,
+    dtype: str | None,
+    batch_size: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Tokenize JSONL CORPUS files (one document per line) into a .bin/.idx dataset."""
+    keys = json_keys.split()
+    if len(keys) != 1:
+        raise click.UsageError("--json-keys takes one key in this version")
+    summary = preprocess(
+        list(corpus),
+        out_prefix,
+        tokenizer,
+        json_key=keys[0],
+        append_eod=append_eod,
+        eod_token=eod_token,
+        dtype=dtype,
+        batch_size=batch_size,
+        show_progress=not quiet,
+    )
+    if as_json:
+        click.echo(json.dumps(summary.as_dict()))
+        return
+    click.echo(
+        f"wrote {summary.output_prefix}.bin/.idx ({summary.dtype}): "
+        f"{summary.documents_written:,} documents of {summary.documents_in:,} read "
+        f"({summary.empty_skipped:,} empty skipped), {summary.tokens:,} tokens, "
+        f"{human(summary.output_bytes, 'B')} in {summary.seconds:.2f} s "
+        f"= {human(summary.tokens_per_second)} tokens/s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What `hp-data inspect` reports: counts, length statistics, a histogram and a full check."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from hp_data.format.reader import IndexedDataset
+
+
+def document_lengths(dataset: IndexedDataset) -> np.ndarray:
+    """Tokens per document (int64), from the pointers: no pass over the `.bin`."""
+    ends = np.empty(len(dataset) + 1, dtype=np.int64)
+    ends[:-1] = dataset.sequence_pointers
+    ends[-1] = dataset.num_tokens * dataset.dtype.itemsize
+    boundaries = dataset.document_indices
+    return (ends[boundaries[1:]] - ends[boundaries[:-1]]) // dataset.dtype.itemsize
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, float | int | None]:
+    keys = ("min", "mean", "p50", "p90", "p99", "max")
+    if len(lengths) == 0:
+        return dict.fromkeys(keys)
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99], method="nearest")
+    return {
+        "min": int(lengths.min()),
+        "mean": round(float(lengths.mean()), 2),
+        "p50": int(p50),
+        "p90": int(p90),
+        "p99": int(p99),
+        "max": int(lengths.max()),
+    }
+
+
+def histogram(lengths: np.ndarray) -> list[dict[str, int]]:
+    """Counts in power-of-two buckets [0], [1], [2, 3], [4, 7], ... up to the longest."""
+    if len(lengths) == 0:
+        return []
+    buckets = np.zeros(len(lengths), dtype=np.int64)
+    positive = lengths > 0
+    buckets[positive] = np.floor(np.log2(lengths[positive])).astype(np.int64) + 1
+    counts = np.bincount(buckets)
+    rows = []
+    for bucket, count in enumerate(counts):
+        low = 0 if bucket == 0 else 1 << (bucket - 1)
+        high = 0 if bucket == 0 else (1 << bucket) - 1
+        rows.append({"low": low, "high": high, "count": int(count)})
+    # Trim empty buckets at both ends; keep gaps inside so the shape reads true.
+    while rows and rows[0]["count"] == 0:
+        rows.pop(0)
+    return rows
+
+
+def summarize(dataset: IndexedDataset) -> dict[str, Any]:
+    lengths = document_lengths(dataset)
+    return {
+        "prefix": dataset.path_prefix,
+        "dtype": str(dataset.dtype),
+        "sequences": len(dataset),
+        "documents": dataset.num_documents,
+        "tokens": dataset.num_tokens,
+        "bin_bytes": os.path.getsize(dataset.bin_path),
+        "idx_bytes": os.path.getsize(dataset.idx_path),
+        "document_length": length_stats(lengths),
+        "histogram": histogram(lengths),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable form of `summarize()`."""
+    lines = [
+        f"dataset    {report['prefix']}",
+        f"dtype      {report['dtype']}",
+        f"sequences  {report['sequences']:,}",
+        f"documents  {report['documents']:,}",
+        f"tokens     {report['tokens']:,}",
+        f".bin bytes {report['bin_bytes']:,}",
+    ]
+    stats = report["document_length"]
+    if stats["min"] is not None:
+        lines.append(
+            "document length (tokens): "
+            + "  ".join(f"{key} {value:,}" for key, value in stats.items())
+        )
+        lines.append("histogram of document lengths:")
+        rows = report["histogram"]
+        peak = max(row["count"] for row in rows)
+        width = len(f"{rows[-1]['high']:,}")
+        for row in rows:
+            bar = "#" * (round(40 * row["count"] / peak) if row["count"] else 0)
+            span = f"{row['low']:>{width},} - {row['high']:>{width},}"
+            lines.append(f"  {span} | {bar:<40} {row['count']:,}")
+    return "\n".join(lines)
