@@ -44,7 +44,12 @@ class _SpillColumn:
         self.count += 1
         self.last = value
 
-    def extend(self, values: np.ndarray) -> None:
+    def extend(self, values: np.ndarray | Sequence[int]) -> None:
+        if isinstance(values, list) and len(values) <= 8:  # per-document calls: skip numpy
+            for value in values:
+                self.append(value)
+            return
+        values = np.asarray(values)
         if len(values) < self.BLOCK - self._filled:
             self._buffer[self._filled : self._filled + len(values)] = values
             self._filled += len(values)
@@ -115,10 +120,13 @@ class IndexedDatasetBuilder:
         return self._documents.count - 1
 
     def _tokens(self, tokens: Any) -> np.ndarray:
+        """`tokens` as a contiguous 1-D array of the dataset's dtype, range-checked."""
         self._check_open()
+        if type(tokens) is np.ndarray and tokens.dtype == self.dtype and tokens.ndim == 1:
+            return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
         array = np.asarray(tokens).reshape(-1)
         check_token_range(array, self.dtype)
-        return array.astype(self.dtype, copy=False)
+        return np.ascontiguousarray(array, dtype=self.dtype)
 
     def _check_open(self) -> None:
         if self._done:
@@ -131,7 +139,7 @@ class IndexedDatasetBuilder:
             raise IndexedDatasetError(
                 f"a sequence of {array.size} tokens exceeds the format's int32 length; split it"
             )
-        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._bin.write(array)
         self._lengths.append(array.size)
         if self._modes is not None:
             self._modes.append(mode)
@@ -147,7 +155,7 @@ class IndexedDatasetBuilder:
         """Append one document: `tokens` split into sequences of `lengths`."""
         array = self._tokens(tokens)
         lengths_array = self._lengths_of(lengths, array.size)
-        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._bin.write(array)
         self._lengths.extend(lengths_array)
         if self._modes is not None:
             modes_array = np.zeros(len(lengths_array), np.int8) if modes is None else modes
@@ -167,14 +175,25 @@ class IndexedDatasetBuilder:
         """
         array = self._tokens(tokens)
         lengths_array = self._lengths_of(lengths, array.size)
-        self._bin.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._bin.write(array)
         first = self._lengths.count
         self._lengths.extend(lengths_array)
         if self._modes is not None:
             self._modes.extend(np.zeros(len(lengths_array), np.int8))
         self._documents.extend(np.arange(first + 1, first + 1 + len(lengths_array), dtype=np.int64))
 
-    def _lengths_of(self, lengths: Sequence[int] | np.ndarray, token_count: int) -> np.ndarray:
+    def _lengths_of(
+        self, lengths: Sequence[int] | np.ndarray, token_count: int
+    ) -> np.ndarray | list[int]:
+        """`lengths` checked: each in int32's range, together `token_count`."""
+        # A document of a few sequences is the common call: plain ints beat numpy here.
+        if (
+            isinstance(lengths, (list, tuple))
+            and len(lengths) <= 8
+            and all(type(n) is int and 0 <= n <= _INT32_MAX for n in lengths)
+            and sum(lengths) == token_count
+        ):
+            return list(lengths)
         lengths_array = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if lengths_array.size and (lengths_array.min() < 0 or lengths_array.max() > _INT32_MAX):
             raise IndexedDatasetError(

@@ -13,7 +13,6 @@ from hp_data.format.header import (
     IndexLayout,
     bin_path,
     idx_path,
-    map_array,
     map_file,
     map_index_arrays,
     read_layout,
@@ -85,7 +84,8 @@ class IndexedDataset:
         for problem in problems:
             self.close()
             raise IndexedDatasetError(problem)
-        self._bin_map = map_file(self._bin_file, bin_size) if self.mmap else None
+        bin_map = map_file(self._bin_file, bin_size) if self.mmap else None
+        self._bin_view = memoryview(bin_map) if bin_map is not None else None
 
     # -- the index -------------------------------------------------------------------------
 
@@ -123,21 +123,18 @@ class IndexedDataset:
     # -- reads -----------------------------------------------------------------------------
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
-        if self._bin_map is not None:
-            return map_array(self._bin_map, self.dtype, count, byte_offset)
+        if self._bin_view is not None:
+            # The map is read-only, so the view is too: zero-copy and safe to hand out.
+            return np.frombuffer(self._bin_view, self.dtype, count, byte_offset)
         out = np.empty(count, dtype=self.dtype)
-        got = os.preadv(self._bin_file.fileno(), [memoryview(out).cast("B")], byte_offset)
+        got = os.preadv(self._bin_file.fileno(), [out], byte_offset)
         if got != out.nbytes:
             raise IndexedDatasetError(f"{self.bin_path}: short read at byte {byte_offset}")
         return out
 
-    def _sequence_index(self, idx: int) -> int:
-        count = len(self)
-        if not -count <= idx < count:
-            raise IndexError(f"sequence {idx} out of range for {count} sequences")
-        return idx + count if idx < 0 else idx
-
     def __getitem__(self, idx: int | np.integer | slice) -> Any:
+        if isinstance(idx, (int, np.integer)):
+            return self.get(idx)
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
             if step != 1:
@@ -147,19 +144,21 @@ class IndexedDataset:
             if len(lengths) == 0:
                 tokens: list[np.ndarray] = []
             else:
-                flat = self._read(int(self._pointers[start]), int(lengths.sum(dtype=np.int64)))
+                flat = self._read(self._pointers.item(start), int(lengths.sum(dtype=np.int64)))
                 tokens = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64))
             if self._modes is not None:
                 return tokens, self._modes[start:stop]
             return tokens
-        if isinstance(idx, (int, np.integer)):
-            return self.get(int(idx))
         raise TypeError(f"IndexedDataset indices must be int or slice, not {type(idx).__name__}")
 
-    def get(self, idx: int, offset: int = 0, length: int | None = None) -> Any:
+    def get(self, idx: int | np.integer, offset: int = 0, length: int | None = None) -> Any:
         """Tokens `[offset, offset + length)` of sequence `idx` (to its end when length is None)."""
-        idx = self._sequence_index(int(idx))
-        size = int(self._lengths[idx])
+        count = self._layout.sequence_count
+        if idx < 0:
+            idx += count
+        if not 0 <= idx < count:
+            raise IndexError(f"sequence {idx} out of range for {count} sequences")
+        size = self._lengths.item(idx)
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
@@ -167,7 +166,7 @@ class IndexedDataset:
                 f"tokens [{offset}, {offset + length}) out of range for sequence {idx} "
                 f"of length {size}"
             )
-        tokens = self._read(int(self._pointers[idx]) + offset * self._itemsize, length)
+        tokens = self._read(self._pointers.item(idx) + offset * self._itemsize, length)
         if self._modes is not None:
             return tokens, self._modes[idx]
         return tokens
@@ -193,7 +192,7 @@ class IndexedDataset:
 
     def close(self) -> None:
         """Release the file handle and maps; views handed out keep their memory alive."""
-        self._bin_map = None
+        self._bin_view = None
         bin_file = getattr(self, "_bin_file", None)
         if bin_file is not None:
             bin_file.close()
