@@ -91,10 +91,11 @@ def inspect(
 @main.command()
 @click.argument("out_prefix")
 @click.argument("inputs", nargs=-1, required=True)
-def merge(out_prefix: str, inputs: tuple[str, ...]) -> None:
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
     """Concatenate datasets INPUTS (prefixes, globs or directories) into OUT_PREFIX, in order."""
     prefixes = expand_prefixes(inputs)
-    merge_datasets(out_prefix, prefixes)
+    merge_datasets(out_prefix, prefixes, show_progress=not quiet)
     with IndexedDataset(out_prefix, validate=False) as merged:
         click.echo(
             f"merged {len(prefixes)} dataset(s) into {merged.path_prefix}: "

@@ -4,6 +4,8 @@ Every user-facing failure (a corrupt file, a malformed corpus line, a bad argume
 these, so callers and the CLI can report it in one line instead of a traceback.
 """
 
+from typing import BinaryIO
+
 
 class HpDataError(Exception):
     """Base class for every error hp-data raises on bad input."""
@@ -15,3 +17,15 @@ class IndexedDatasetError(HpDataError):
 
 class PreprocessError(HpDataError):
     """A corpus or tokenizer cannot be turned into a dataset (message starts with file:line)."""
+
+
+def open_input(path: str, error: type[HpDataError], expected: str) -> BinaryIO:
+    """Open `path` for binary reading, or raise `error` saying in one line why not."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected {expected}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror}") from None

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from hp_data.errors import PreprocessError
+from hp_data.errors import PreprocessError, open_input
 
 
 def read_jsonl(
@@ -18,15 +18,7 @@ def read_jsonl(
     reach, for progress. Blank lines are skipped. Anything else that is not an object with a
     string under `key` raises PreprocessError as `path:line: reason`.
     """
-    try:
-        stream = open(path, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise PreprocessError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise PreprocessError(f"{path}: is a directory, expected a .jsonl file") from None
-    except OSError as exc:
-        raise PreprocessError(f"{path}: cannot read: {exc.strerror}") from None
-    with stream:
+    with open_input(path, PreprocessError, "a .jsonl file") as stream:
         texts: list[str] = []
         offset = 0
         for number, raw in enumerate(stream, start=1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -206,8 +206,13 @@ class IndexedDatasetBuilder:
             )
         return lengths_array
 
-    def add_index(self, other: str | os.PathLike[str]) -> None:
-        """Append every document of another dataset, streaming its `.bin` (dtypes must match)."""
+    def add_index(
+        self, other: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    ) -> None:
+        """Append every document of another dataset, streaming its `.bin` (dtypes must match).
+
+        `on_bytes(n)` is called as each block of `n` bytes of the `.bin` is copied.
+        """
         self._check_open()
         with IndexedDataset(other, multimodal=self.multimodal) as source:
             if source.dtype != self.dtype:
@@ -225,7 +230,10 @@ class IndexedDatasetBuilder:
             for start in range(1, len(boundaries), step):
                 self._documents.extend(boundaries[start : start + step] + offset)
             with open(source.bin_path, "rb") as data:
-                shutil.copyfileobj(data, self._bin, COPY_BUFFER)
+                while block := data.read(COPY_BUFFER):
+                    self._bin.write(block)
+                    if on_bytes is not None:
+                        on_bytes(len(block))
 
     def finalize(self) -> str:
         """Write the index and move both files into place; returns the prefix.

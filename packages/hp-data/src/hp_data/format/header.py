@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hp_data.errors import IndexedDatasetError
+from hp_data.errors import IndexedDatasetError, open_input
 from hp_data.format.dtypes import code_from_dtype, dtype_from_code
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -92,16 +92,9 @@ def read_layout(path: str | os.PathLike[str], multimodal: bool = False) -> Index
     file that also carries modes (as Megatron does) and ignores them.
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read(HEADER_SIZE)
-            size = os.fstat(stream.fileno()).st_size
-    except FileNotFoundError:
-        raise IndexedDatasetError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise IndexedDatasetError(f"{path}: is a directory, expected an .idx file") from None
-    except OSError as exc:
-        raise IndexedDatasetError(f"{path}: cannot read: {exc.strerror}") from None
+    with open_input(path, IndexedDatasetError, "an .idx file") as stream:
+        raw = stream.read(HEADER_SIZE)
+        size = os.fstat(stream.fileno()).st_size
 
     if len(raw) < 9 or raw[:9] != MAGIC:
         raise IndexedDatasetError(

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.header import bin_path, idx_path, prefix_of, read_layout
+from hp_data.progress import Progress
 
 
 def expand_prefixes(specs: Iterable[str]) -> list[str]:
@@ -36,7 +37,9 @@ def expand_prefixes(specs: Iterable[str]) -> list[str]:
     return prefixes
 
 
-def merge_datasets(out_prefix: str, in_prefixes: list[str], multimodal: bool = False) -> str:
+def merge_datasets(
+    out_prefix: str, in_prefixes: list[str], multimodal: bool = False, show_progress: bool = False
+) -> str:
     """Write `out_prefix` as the concatenation of `in_prefixes`; returns the output prefix.
 
     Every input header is checked before anything is written, so a mixed-dtype merge fails
@@ -58,7 +61,17 @@ def merge_datasets(out_prefix: str, in_prefixes: list[str], multimodal: bool = F
             f"cannot merge datasets of different dtypes ({described}); "
             f"re-tokenize them with one --dtype"
         )
+    total = sum(os.path.getsize(bin_path(prefix)) for prefix in in_prefixes)
+    progress = Progress(total, "merge", enabled=show_progress)
+    copied = 0
+
+    def advance(count: int) -> None:
+        nonlocal copied
+        copied += count
+        progress.update(copied, bytes=copied)
+
     with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal=multimodal) as builder:
         for prefix in in_prefixes:
-            builder.add_index(prefix)
+            builder.add_index(prefix, on_bytes=advance)
+    progress.close()
     return out_prefix

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hp_data.errors import IndexedDatasetError
+from hp_data.errors import IndexedDatasetError, open_input
 from hp_data.format.header import (
     IndexLayout,
     bin_path,
@@ -58,14 +58,7 @@ class IndexedDataset:
             layout, with_modes=self.multimodal
         )
 
-        try:
-            self._bin_file = open(self.bin_path, "rb")  # noqa: SIM115 - lives as long as self
-        except FileNotFoundError:
-            raise IndexedDatasetError(
-                f"{self.bin_path}: no such file (the .idx exists; copy or rebuild the .bin)"
-            ) from None
-        except OSError as exc:
-            raise IndexedDatasetError(f"{self.bin_path}: cannot read: {exc.strerror}") from None
+        self._bin_file = open_input(self.bin_path, IndexedDatasetError, "a .bin file")
         bin_size = os.fstat(self._bin_file.fileno()).st_size
         if self._validate:
             problems: Iterable[str] = array_problems(
