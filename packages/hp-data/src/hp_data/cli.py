@@ -11,8 +11,8 @@ import click
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
-from hp_data.preprocess import preprocess
-from hp_data.progress import human
+from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
+from hp_data.readers import FORMATS
 from hp_data.summary import format_report, summarize
 from hp_data.tokenize import load_tokenizer
 
@@ -106,14 +106,23 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
 @main.command(name="preprocess")
 @click.argument("corpus", nargs=-1, required=True)
 @click.option(
-    "--out", "out_prefix", required=True, help="Output prefix: writes OUT.bin and OUT.idx."
+    "--out",
+    "out_prefix",
+    required=True,
+    help="Output prefix: writes OUT.bin/.idx (one key) or OUT_{key}_document.bin/.idx.",
 )
-@click.option("--tokenizer", required=True, help="tokenizer.json, or a directory holding one.")
+@click.option(
+    "--tokenizer",
+    required=True,
+    help="tokenizer.json, or a HF tokenizer directory (tokenizer.json and tokenizer_config.json).",
+)
 @click.option(
     "--json-keys",
-    default="text",
+    multiple=True,
+    default=("text",),
     show_default=True,
-    help="The JSON key holding each document's text.",
+    help="JSON keys (columns) to tokenize; repeat the option or separate keys by "
+    "commas or spaces. Several keys write one output per key.",
 )
 @click.option(
     "--append-eod", is_flag=True, help="Append the end-of-document token to each document."
@@ -121,8 +130,17 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
 @click.option(
     "--eod-token",
     default=None,
-    help="The end-of-document token [default: the first of <|endoftext|>, "
-    "<|end_of_text|>, </s>, <eos>, <|eos|> in the vocabulary].",
+    help="The end-of-document token [default: tokenizer_config.json's eos_token, "
+    "else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|eos|>].",
+)
+@click.option(
+    "--add-bos", is_flag=True, help="Put the beginning-of-sequence token first in each document."
+)
+@click.option(
+    "--bos-token",
+    default=None,
+    help="The BOS token [default: tokenizer_config.json's bos_token, else the first of "
+    "<|begin_of_text|>, <s>, <bos>, <|startoftext|>, <|bos|>].",
 )
 @click.option(
     "--dtype",
@@ -131,11 +149,44 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
     help="Token dtype [default: uint16 if the vocabulary fits, else int32].",
 )
 @click.option(
-    "--batch-size",
+    "--workers",
     type=click.IntRange(min=1),
-    default=1024,
+    default=None,
+    help=f"Worker processes [default: all cores, here {default_workers()}].",
+)
+@click.option(
+    "--skip-invalid",
+    is_flag=True,
+    help="Count and skip invalid lines instead of stopping at the first.",
+)
+@click.option(
+    "--keep-empty",
+    is_flag=True,
+    help="Write documents that tokenize to nothing (as documents with no sequences) "
+    "instead of skipping them.",
+)
+@click.option(
+    "--dedup",
+    type=click.Choice(["exact"]),
+    default=None,
+    help="Drop documents whose normalised text was seen before [default: off].",
+)
+@click.option(
+    "--input-format",
+    type=click.Choice(list(FORMATS)),
+    default=None,
+    help="Input format [default: from the file name; a directory with state.json is a "
+    "saved HF dataset; 'hf' loads a directory with datasets.load_dataset].",
+)
+@click.option(
+    "--split", default="train", show_default=True, help="Split of an HF dataset or DatasetDict."
+)
+@click.option(
+    "--chunk-mb",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
     show_default=True,
-    help="Documents per tokenizer call.",
+    help="Input per work unit, in MB.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
@@ -143,39 +194,45 @@ def preprocess_command(
     corpus: tuple[str, ...],
     out_prefix: str,
     tokenizer: str,
-    json_keys: str,
+    json_keys: tuple[str, ...],
     append_eod: bool,
     eod_token: str | None,
+    add_bos: bool,
+    bos_token: str | None,
     dtype: str | None,
-    batch_size: int,
+    workers: int | None,
+    skip_invalid: bool,
+    keep_empty: bool,
+    dedup: str | None,
+    input_format: str | None,
+    split: str,
+    chunk_mb: float,
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Tokenize JSONL CORPUS files (one document per line) into a .bin/.idx dataset."""
-    keys = json_keys.split()
-    if len(keys) != 1:
-        raise click.UsageError("--json-keys takes one key in this version")
-    summary = preprocess(
-        list(corpus),
-        out_prefix,
-        tokenizer,
-        json_key=keys[0],
+    """Tokenize CORPUS (JSONL, .jsonl.gz, .jsonl.zst, Parquet, HF datasets; files, globs or
+    directories) into Megatron .bin/.idx datasets, in parallel and resumably."""
+    options = PreprocessOptions(
+        json_keys=tuple(key for value in json_keys for key in value.replace(",", " ").split()),
         append_eod=append_eod,
         eod_token=eod_token,
+        add_bos=add_bos,
+        bos_token=bos_token,
         dtype=dtype,
-        batch_size=batch_size,
+        workers=workers or default_workers(),
+        skip_invalid=skip_invalid,
+        keep_empty=keep_empty,
+        dedup=dedup,
+        input_format=input_format,
+        split=split,
+        chunk_bytes=int(chunk_mb * (1 << 20)),
         show_progress=not quiet,
     )
+    summary = preprocess(list(corpus), out_prefix, tokenizer, options)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
-        return
-    click.echo(
-        f"wrote {summary.output_prefix}.bin/.idx ({summary.dtype}): "
-        f"{summary.documents_written:,} documents of {summary.documents_in:,} read "
-        f"({summary.empty_skipped:,} empty skipped), {summary.tokens:,} tokens, "
-        f"{human(summary.output_bytes, 'B')} in {summary.seconds:.2f} s "
-        f"= {human(summary.tokens_per_second)} tokens/s"
-    )
+    else:
+        click.echo(format_summary(summary))
 
 
 if __name__ == "__main__":

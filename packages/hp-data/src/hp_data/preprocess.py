@@ -1,103 +1,532 @@
-"""Corpus files -> tokens -> one `.bin`/`.idx` pair: the single-process first version.
+"""Corpus files -> tokens -> `.bin`/`.idx`: the parallel, resumable pipeline.
 
-Each JSON line becomes one document of one sequence, as Megatron's `preprocess_data.py`
-writes it. Documents that tokenize to nothing are skipped and counted, not written as empty
-documents. The output appears at its final path only when the whole run succeeded.
+The main process cuts every input (a *shard*) into chunks, in order; a pool of worker
+processes parses, checks and tokenizes chunks (one single-threaded tokenizer each); the main
+process takes the results back in order, drops exact duplicates, and appends them to the
+shard's own dataset in a work directory beside the output. A finished shard is finalized
+and recorded in a manifest; a rerun with the same arguments reuses every finished shard up
+to the first unfinished one. When all shards are done they are concatenated into the final
+output, atomically, and the work directory is removed.
+
+The output depends only on the inputs and the options: not on `--workers`, the chunking,
+or where an earlier run was killed.
 """
 
 from __future__ import annotations
 
-import itertools
+import fcntl
+import json
+import multiprocessing
 import os
+import shutil
 import time
-from dataclasses import asdict, dataclass
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import xxhash
 
+from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
-from hp_data.format.header import bin_path, idx_path
-from hp_data.progress import Progress
-from hp_data.readers import read_jsonl, total_size
-from hp_data.tokenize import encode_batch, eod_id, load_tokenizer, vocab_size
+from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.progress import Progress, human
+from hp_data.readers import Chunk, Shard, chunks, discover, location, read_chunk
+from hp_data.tokenize import TokenizerFiles, encode_documents, vocab_size
+
+MANIFEST_VERSION = 1
+INVALID_EXAMPLES = 5
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """Everything besides inputs, output and tokenizer; the defaults are the CLI's."""
+
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    eod_token: str | None = None
+    add_bos: bool = False
+    bos_token: str | None = None
+    dtype: DTypeLike | None = None
+    workers: int = field(default_factory=default_workers)
+    skip_invalid: bool = False
+    keep_empty: bool = False
+    dedup: str | None = None  # None or "exact"
+    input_format: str | None = None
+    split: str = "train"
+    chunk_bytes: int = 1 << 20
+    show_progress: bool = True
+
+
+def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
+    """`PREFIX` for one key; Megatron's `PREFIX_{key}_document` for each of several."""
+    out_prefix = prefix_of(out_prefix)
+    if len(keys) == 1:
+        return {keys[0]: out_prefix}
+    return {key: f"{out_prefix}_{key}_document" for key in keys}
+
+
+# -- the workers ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    tokenizer_json: str
+    keys: tuple[str, ...]
+    dtype: str
+    bos: int | None
+    eod: int | None
+    keep_empty: bool
+    dedup: bool
+    stop_at_invalid: bool
+
+
+@dataclass
+class _Result:
+    shard: int
+    last: bool
+    lines: int
+    records: int
+    input_bytes: int
+    invalid: list[tuple[int, str, str]]
+    empty: int = 0
+    tokens: list[np.ndarray] = field(default_factory=list)  # per key
+    lengths: list[np.ndarray] = field(default_factory=list)  # per key, per kept record
+    hashes: np.ndarray | None = None  # (kept records, 2) uint64
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(spec: _WorkerSpec) -> None:
+    # One tokenizer thread per worker process: the pool is the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _worker["spec"] = spec
+    _worker["tokenizer"] = Tokenizer.from_file(spec.tokenizer_json)
+
+
+def _work(chunk: Chunk) -> _Result:
+    spec: _WorkerSpec = _worker["spec"]
+    parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid)
+    result = _Result(
+        chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
+    )
+    if spec.stop_at_invalid and parsed.invalid:
+        return result
+    dtype = np.dtype(spec.dtype)
+    encoded = [
+        encode_documents(_worker["tokenizer"], texts, dtype, spec.bos, spec.eod)
+        for texts in parsed.texts
+    ]
+    keep = np.ones(len(parsed.texts[0]), dtype=bool)
+    if not spec.keep_empty:
+        keep = np.logical_or.reduce([lengths > 0 for _, lengths in encoded]) if encoded else keep
+    result.empty = int((~keep).sum())
+    for tokens, lengths in encoded:
+        if result.empty:
+            tokens, lengths = tokens[np.repeat(keep, lengths)], lengths[keep]
+        result.tokens.append(tokens)
+        result.lengths.append(lengths)
+    if spec.dedup:
+        result.hashes = hash_texts(parsed.texts)[keep]
+    return result
+
+
+# -- the main process -----------------------------------------------------------------------
+
+
+@dataclass
+class _ShardStats:
+    records: int = 0
+    written: int = 0
+    empty: int = 0
+    duplicates: int = 0
+    invalid: dict[str, int] = field(default_factory=dict)
+    invalid_examples: list[str] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    lines: int = 0
+
+
+class _WorkDir:
+    """The hidden directory beside the output: finished shards, their hashes, a manifest."""
+
+    def __init__(self, out_prefix: str, config: str) -> None:
+        directory, name = os.path.split(os.path.abspath(out_prefix))
+        self.path = os.path.join(directory, f".{name}.hp-preprocess")
+        os.makedirs(self.path, exist_ok=True)
+        self._lock = open(os.path.join(self.path, "lock"), "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PreprocessError(
+                f"{out_prefix}: another hp-data preprocess is writing this output"
+            ) from None
+        self.config = config
+        self.manifest = self._read_manifest()
+
+    def _read_manifest(self) -> dict[str, Any]:
+        fresh = {"version": MANIFEST_VERSION, "config": self.config, "shards": []}
+        try:
+            with open(os.path.join(self.path, "manifest.json"), encoding="utf-8") as stream:
+                manifest = json.load(stream)
+        except (OSError, ValueError):
+            return fresh
+        if manifest.get("version") != MANIFEST_VERSION or manifest.get("config") != self.config:
+            return fresh
+        return manifest
+
+    def shard_prefix(self, index: int, key: str) -> str:
+        return os.path.join(self.path, f"shard{index:06d}_{key}")
+
+    def hashes_path(self, index: int) -> str:
+        return os.path.join(self.path, f"shard{index:06d}.hashes.npy")
+
+    def reusable(self, shards: list[Shard], keys: tuple[str, ...]) -> int:
+        """How many leading shards a previous run finished with these same inputs."""
+        done = 0
+        for shard, record in zip(shards, self.manifest["shards"], strict=False):
+            complete = all(os.path.exists(idx_path(self.shard_prefix(done, k))) for k in keys)
+            if record["identity"] != shard.identity or not complete:
+                break
+            done += 1
+        self.manifest["shards"] = self.manifest["shards"][:done]
+        return done
+
+    def record(self, shard: Shard, stats: _ShardStats) -> None:
+        self.manifest["shards"].append({"identity": shard.identity, "stats": stats.__dict__})
+        target = os.path.join(self.path, "manifest.json")
+        with open(target + ".tmp", "w", encoding="utf-8") as stream:
+            json.dump(self.manifest, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(target + ".tmp", target)
+
+    def remove(self) -> None:
+        self._lock.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def release(self) -> None:
+        self._lock.close()
+
+
+def _config_hash(files: TokenizerFiles, spec: _WorkerSpec, options: PreprocessOptions) -> str:
+    """Everything besides the inputs that changes the output; a mismatch starts over."""
+    with open(files.tokenizer_json, "rb") as stream:
+        tokenizer_hash = xxhash.xxh3_128_hexdigest(stream.read())
+    described = {
+        "tokenizer": tokenizer_hash,
+        "keys": spec.keys,
+        "dtype": spec.dtype,
+        "bos": spec.bos,
+        "eod": spec.eod,
+        "keep_empty": spec.keep_empty,
+        "dedup": spec.dedup,
+        "skip_invalid": not spec.stop_at_invalid,
+        "input_format": options.input_format,
+        "split": options.split,
+    }
+    return xxhash.xxh3_128_hexdigest(json.dumps(described, sort_keys=True).encode())
+
+
+def _results(work: Iterator[Chunk], spec: _WorkerSpec, workers: int) -> Iterator[_Result]:
+    """Results of every chunk, in order; at most a few chunks in flight per worker."""
+    if workers <= 1:
+        _init_worker(spec)
+        for chunk in work:
+            yield _work(chunk)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        pending: deque[Any] = deque()
+        for chunk in work:
+            pending.append(pool.apply_async(_work, (chunk,)))
+            if len(pending) >= 2 * workers + 1:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 @dataclass
 class PreprocessSummary:
-    """What a preprocessing run read and wrote."""
+    """What a run read and wrote; `as_dict()` is the `--json` form."""
 
-    output_prefix: str
+    outputs: dict[str, str]
     dtype: str
+    workers: int
+    shards: int
+    resumed_shards: int
     documents_in: int
     documents_written: int
-    empty_skipped: int
+    skipped: dict[str, Any]
+    invalid_examples: list[str]
     tokens: int
+    tokens_by_key: dict[str, int]
     output_bytes: int
+    input_bytes: int
     seconds: float
+    dedup_hash_set_bytes: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "tokens_per_second": round(self.tokens_per_second, 1)}
+    def as_dict(self) -> dict[str, Any]:
+        seconds = max(self.seconds, 1e-9)
+        return {
+            **self.__dict__,
+            "tokens_per_second": round(self.tokens / seconds, 1),
+            "documents_per_second": round(self.documents_in / seconds, 1),
+            "mb_per_second": round(self.input_bytes / seconds / 1e6, 2),
+        }
 
 
 def preprocess(
     inputs: list[str],
     out_prefix: str,
     tokenizer_path: str,
-    json_key: str = "text",
-    append_eod: bool = False,
-    eod_token: str | None = None,
-    dtype: DTypeLike | None = None,
-    batch_size: int = 1024,
-    show_progress: bool = True,
+    options: PreprocessOptions | None = None,
 ) -> PreprocessSummary:
-    """Tokenize the JSONL `inputs` in order into `out_prefix.bin`/`.idx`."""
+    """Tokenize `inputs` into `out_prefix` (see the module docstring for the guarantees)."""
+    options = options or PreprocessOptions()
     started = time.perf_counter()
-    if not inputs:
-        raise PreprocessError("no input files given")
-    tokenizer = load_tokenizer(tokenizer_path)
+    keys = tuple(options.json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise PreprocessError(f"--json-keys needs distinct keys, got {' '.join(keys) or 'none'}")
+    if options.dedup not in (None, "exact"):
+        raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
+    if options.workers < 1:
+        raise PreprocessError("--workers must be at least 1")
+    shards = discover(inputs, options.input_format)
+    files = TokenizerFiles.locate(tokenizer_path)
+    tokenizer = files.load()
     vocabulary = vocab_size(tokenizer)
-    token_dtype = optimal_dtype(vocabulary) if dtype is None else as_token_dtype(dtype)
-    if token_dtype.kind in "iu" and vocabulary - 1 > np.iinfo(token_dtype).max:
+    dtype = optimal_dtype(vocabulary) if options.dtype is None else as_token_dtype(options.dtype)
+    if dtype.kind in "iu" and vocabulary - 1 > np.iinfo(dtype).max:
         raise PreprocessError(
-            f"--dtype {token_dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
+            f"--dtype {dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
             f"use {optimal_dtype(vocabulary)} or wider"
         )
-    eod = eod_id(tokenizer, eod_token) if append_eod else None
-
-    progress = Progress(total_size(inputs), "preprocess", enabled=show_progress)
-    documents_in = written = empty = tokens = 0
-    bytes_before = 0
-    with IndexedDatasetBuilder(out_prefix, token_dtype) as builder:
-        for path in inputs:
-            for texts, bytes_read in read_jsonl(path, json_key, batch_size):
-                ids = [doc for doc in encode_batch(tokenizer, texts) if doc]
-                documents_in += len(texts)
-                empty += len(texts) - len(ids)
-                if eod is not None:
-                    for doc in ids:
-                        doc.append(eod)
-                lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-                count = int(lengths.sum())
-                flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=count)
-                builder.add_documents(flat, lengths)
-                written += len(ids)
-                tokens += count
-                progress.update(bytes_before + bytes_read, docs=documents_in, tokens=tokens)
-            bytes_before += os.path.getsize(path)
-    progress.close()
-    output_bytes = os.path.getsize(bin_path(out_prefix)) + os.path.getsize(idx_path(out_prefix))
-    return PreprocessSummary(
-        output_prefix=builder.prefix,
-        dtype=str(token_dtype),
-        documents_in=documents_in,
-        documents_written=written,
-        empty_skipped=empty,
-        tokens=tokens,
-        output_bytes=output_bytes,
-        seconds=round(time.perf_counter() - started, 3),
+    spec = _WorkerSpec(
+        tokenizer_json=files.tokenizer_json,
+        keys=keys,
+        dtype=str(dtype),
+        bos=files.special_id(tokenizer, "bos", options.bos_token) if options.add_bos else None,
+        eod=files.special_id(tokenizer, "eos", options.eod_token) if options.append_eod else None,
+        keep_empty=options.keep_empty,
+        dedup=options.dedup == "exact",
+        stop_at_invalid=not options.skip_invalid,
     )
+    outputs = output_prefixes(out_prefix, keys)
+    workdir = _WorkDir(out_prefix, _config_hash(files, spec, options))
+    resumed = workdir.reusable(shards, keys)
+    seen = HashSet() if spec.dedup else None
+    for index in range(resumed):
+        if seen is not None:
+            seen.add_new(np.load(workdir.hashes_path(index)))
+
+    progress = Progress(
+        sum(s.size for s in shards),
+        "preprocess",
+        enabled=options.show_progress,
+        already=sum(s.size for s in shards[:resumed]),
+    )
+    run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
+    try:
+        cache = os.path.join(workdir.path, "hf-cache")
+        work = (
+            chunk
+            for i in range(resumed, len(shards))
+            for chunk in chunks(i, shards[i], keys, options.chunk_bytes, options.split, cache)
+        )
+        for result in _results(work, spec, options.workers):
+            run.take(result)
+    except BaseException:
+        run.abort()
+        if not workdir.manifest["shards"]:
+            workdir.remove()
+        else:
+            workdir.release()
+        raise
+    progress.close()
+
+    for key, final in outputs.items():
+        with IndexedDatasetBuilder(final, dtype) as builder:
+            for index in range(len(shards)):
+                builder.add_index(workdir.shard_prefix(index, key))
+    stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
+    workdir.remove()
+    return _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
+
+
+class _Run:
+    """The main process's side of a run: takes results in order, writes shards."""
+
+    def __init__(
+        self,
+        workdir: _WorkDir,
+        shards: list[Shard],
+        keys: tuple[str, ...],
+        dtype: np.dtype,
+        seen: HashSet | None,
+        progress: Progress,
+        skip_invalid: bool,
+    ) -> None:
+        self.workdir, self.shards, self.keys, self.dtype = workdir, shards, keys, dtype
+        self.seen, self.progress, self.skip_invalid = seen, progress, skip_invalid
+        self.current: int | None = None
+        self.builders: list[IndexedDatasetBuilder] = []
+        self.hashes: list[np.ndarray] = []
+        self.stats = _ShardStats()
+        self.done_bytes = progress.already
+        self.input_bytes = 0
+        self.documents = 0
+        self.tokens = 0
+
+    def _open(self, index: int) -> None:
+        self.current = index
+        self.builders = [
+            IndexedDatasetBuilder(self.workdir.shard_prefix(index, key), self.dtype)
+            for key in self.keys
+        ]
+        self.hashes = []
+        self.stats = _ShardStats(tokens=dict.fromkeys(self.keys, 0))
+
+    def take(self, result: _Result) -> None:
+        if self.current != result.shard:
+            self._open(result.shard)
+        shard, stats = self.shards[result.shard], self.stats
+        for offset, kind, why in result.invalid:
+            where = location(shard, stats.lines + offset + 1)
+            if not self.skip_invalid:
+                raise PreprocessError(f"{where}: {why}")
+            stats.invalid[kind] = stats.invalid.get(kind, 0) + 1
+            if len(stats.invalid_examples) < INVALID_EXAMPLES:
+                stats.invalid_examples.append(f"{where}: {why}")
+        stats.lines += result.lines
+        stats.records += result.records
+        stats.empty += result.empty
+        tokens, lengths = result.tokens, result.lengths
+        if self.seen is not None and result.hashes is not None:
+            fresh = self.seen.add_new(result.hashes)
+            stats.duplicates += int((~fresh).sum())
+            if not fresh.all():
+                tokens = [t[np.repeat(fresh, n)] for t, n in zip(tokens, lengths, strict=True)]
+                lengths = [n[fresh] for n in lengths]
+            self.hashes.append(result.hashes[fresh])
+        for key, builder, key_tokens, key_lengths in zip(
+            self.keys, self.builders, tokens, lengths, strict=True
+        ):
+            present = key_lengths > 0  # an empty text (other keys not empty): no sequences
+            builder.add_batch(key_tokens, key_lengths[present], present)
+            stats.tokens[key] += len(key_tokens)
+            self.tokens += len(key_tokens)
+        stats.written += len(lengths[0]) if lengths else 0
+        self.documents += result.records
+        self.input_bytes += result.input_bytes
+        self.done_bytes += result.input_bytes
+        self.progress.update(
+            self.done_bytes, docs=self.documents, tokens=self.tokens, bytes=self.input_bytes
+        )
+        if result.last:
+            self._finish(shard, result.shard)
+
+    def _finish(self, shard: Shard, index: int) -> None:
+        for builder in self.builders:
+            builder.finalize()
+        if self.seen is not None:
+            hashes = np.concatenate(self.hashes) if self.hashes else np.empty((0, 2), np.uint64)
+            target = self.workdir.hashes_path(index)
+            with open(target + ".tmp", "wb") as stream:
+                np.save(stream, hashes)
+            os.replace(target + ".tmp", target)
+        self.workdir.record(shard, self.stats)
+        self.builders = []
+        self.current = None
+
+    def abort(self) -> None:
+        for builder in self.builders:
+            builder.abort()
+
+
+def _summarize(
+    stats: list[_ShardStats],
+    outputs: dict[str, str],
+    dtype: np.dtype,
+    options: PreprocessOptions,
+    shards: list[Shard],
+    resumed: int,
+    seen: HashSet | None,
+    run: _Run,
+    started: float,
+) -> PreprocessSummary:
+    invalid: dict[str, int] = {}
+    for shard_stats in stats:
+        for kind, count in shard_stats.invalid.items():
+            invalid[kind] = invalid.get(kind, 0) + count
+    tokens_by_key = {key: sum(s.tokens.get(key, 0) for s in stats) for key in outputs}
+    return PreprocessSummary(
+        outputs=outputs,
+        dtype=str(dtype),
+        workers=options.workers,
+        shards=len(shards),
+        resumed_shards=resumed,
+        documents_in=sum(s.records for s in stats),
+        documents_written=sum(s.written for s in stats),
+        skipped={
+            "empty": sum(s.empty for s in stats),
+            "duplicate": sum(s.duplicates for s in stats),
+            "invalid": invalid,
+        },
+        invalid_examples=[e for s in stats for e in s.invalid_examples][:INVALID_EXAMPLES],
+        tokens=sum(tokens_by_key.values()),
+        tokens_by_key=tokens_by_key,
+        output_bytes=sum(
+            os.path.getsize(bin_path(p)) + os.path.getsize(idx_path(p)) for p in outputs.values()
+        ),
+        input_bytes=run.input_bytes,
+        seconds=round(time.perf_counter() - started, 3),
+        dedup_hash_set_bytes=seen.nbytes if seen is not None else None,
+    )
+
+
+def format_summary(summary: PreprocessSummary) -> str:
+    """The human-readable end-of-run report."""
+    data = summary.as_dict()
+    skipped = summary.skipped
+    invalid = ", ".join(f"{count:,} {kind}" for kind, count in skipped["invalid"].items())
+    lines = [
+        "wrote "
+        + ", ".join(f"{p}.bin/.idx" for p in summary.outputs.values())
+        + f" ({summary.dtype}, {human(summary.output_bytes, 'B')})",
+        f"documents: {summary.documents_in:,} in, {summary.documents_written:,} written; "
+        f"skipped {skipped['empty']:,} empty, {skipped['duplicate']:,} duplicate, "
+        f"{sum(skipped['invalid'].values()):,} invalid" + (f" ({invalid})" if invalid else ""),
+    ]
+    lines += [f"  invalid: {example}" for example in summary.invalid_examples]
+    lines.append(
+        f"tokens: {summary.tokens:,}"
+        + (
+            " (" + ", ".join(f"{k} {v:,}" for k, v in summary.tokens_by_key.items()) + ")"
+            if len(summary.tokens_by_key) > 1
+            else ""
+        )
+    )
+    if summary.dedup_hash_set_bytes is not None:
+        lines.append(f"dedup hash set: {human(summary.dedup_hash_set_bytes, 'B')}")
+    if summary.resumed_shards:
+        lines.append(f"resumed: {summary.resumed_shards} of {summary.shards} shards were done")
+    lines.append(
+        f"time: {summary.seconds:.2f} s with {summary.workers} worker(s): "
+        f"{human(data['tokens_per_second'])} tokens/s, "
+        f"{human(data['documents_per_second'])} docs/s, {data['mb_per_second']:.2f} MB/s"
+    )
+    return "\n".join(lines)

@@ -37,8 +37,10 @@ class Progress:
         enabled: bool = True,
         stream: TextIO | None = None,
         log_every: float = 10.0,
+        already: int = 0,
     ) -> None:
         self.total = max(total, 1)
+        self.already = already  # done before this run (resumed work): not part of the rates
         self.label = label
         self.stream = stream or sys.stderr
         self.enabled = enabled
@@ -63,11 +65,15 @@ class Progress:
         fraction = min(self.done / self.total, 1.0)
         width = 24
         bar = "#" * int(fraction * width) + "." * (width - int(fraction * width))
-        rates = "  ".join(f"{human(v / elapsed)} {k}/s" for k, v in self.counters.items())
+        rates = "  ".join(
+            f"{human(v / elapsed, 'B')}/s" if k == "bytes" else f"{human(v / elapsed)} {k}/s"
+            for k, v in self.counters.items()
+        )
+        speed = (self.done - self.already) / elapsed
         if final:
             tail = f"{clock(elapsed)} total"
-        elif fraction > 0:
-            tail = f"ETA {clock(elapsed * (1 - fraction) / fraction)}"
+        elif speed > 0:
+            tail = f"ETA {clock((self.total - self.done) / speed)}"
         else:
             tail = "ETA ?"
         line = f"{self.label} [{bar}] {fraction:6.1%}  {rates}  {tail}"
@@ -78,6 +84,6 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        """Draw the last state (on a terminal) and end the line."""
-        if self.tty:
+        """Draw the final state: totals and the wall time."""
+        if self.enabled:
             self._draw(time.perf_counter(), final=True)

@@ -1,58 +1,402 @@
-"""Documents out of corpus files, in a stable order, with `file:line` for every error."""
+"""Documents out of every input format a corpus comes in, in a stable order.
+
+The main process turns inputs into *shards* (one per file or HF dataset) and each shard into
+*chunks* in order; workers turn a chunk into validated texts. Every problem is reported with
+where it is: `file:line` for JSON lines, `file: row N` for Parquet and HF datasets.
+
+Order: inputs in the order given; a directory or glob stands for its matching files sorted by
+name; inside a file, lines (or rows) in file order.
+"""
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 from hp_data.errors import PreprocessError, open_input
 
+SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".jsonl.gz": "jsonl.gz",
+    ".json.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".json.zst": "jsonl.zst",
+    ".jsonl.zstd": "jsonl.zst",
+    ".parquet": "parquet",
+}
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf-saved", "hf")
+_HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
+ROWS_PER_CHUNK = 4096
 
-def read_jsonl(
-    path: str, key: str = "text", batch_size: int = 1024
-) -> Iterator[tuple[list[str], int]]:
-    """Texts under `key` of the JSON object lines of `path`, in batches.
 
-    Yields `(texts, bytes_read)`: up to `batch_size` texts and how far into the file they
-    reach, for progress. Blank lines are skipped. Anything else that is not an object with a
-    string under `key` raises PreprocessError as `path:line: reason`.
+@dataclass(frozen=True)
+class Shard:
+    """One input: a file or an HF dataset directory, with what identifies its contents."""
+
+    path: str
+    format: str
+    size: int
+    mtime_ns: int
+
+    @property
+    def identity(self) -> list[object]:
+        return [self.path, self.format, self.size, self.mtime_ns]
+
+
+@dataclass
+class Chunk:
+    """A piece of one shard for one worker: a byte range, a block of lines, or rows."""
+
+    shard: int
+    path: str
+    format: str
+    start: int = 0  # byte range of a plain JSONL file
+    end: int = 0
+    blob: bytes | None = None  # whole lines, for compressed JSONL
+    rows: dict[str, list[Any]] | None = None  # columns, for Parquet and HF datasets
+    input_bytes: int = 0  # bytes of the input this chunk accounts for, for progress
+    last: bool = False  # the shard's final chunk
+
+
+@dataclass
+class Parsed:
+    """The valid texts of a chunk (one list per key) and what was wrong with the rest."""
+
+    texts: list[list[str]]
+    records: int = 0  # non-blank lines or rows
+    lines: int = 0  # all lines (rows) of the chunk, to number the next chunk's lines
+    invalid: list[tuple[int, str, str]] = field(default_factory=list)  # (offset, kind, why)
+
+
+def _files_in(directory: str) -> list[str]:
+    names = sorted(os.listdir(directory))
+    return [os.path.join(directory, n) for n in names if _suffix_format(n) is not None]
+
+
+def _suffix_format(name: str) -> str | None:
+    lowered = name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            return SUFFIXES[suffix]
+    return None
+
+
+def _tree_size(path: str) -> tuple[int, int]:
+    size = mtime = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            stat = os.stat(os.path.join(root, name))
+            size += stat.st_size
+            mtime = max(mtime, stat.st_mtime_ns)
+    return size, mtime
+
+
+def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shard]:
+    """The shards for paths, globs and directories, in the documented order.
+
+    A directory holding a saved HF dataset (`state.json` or `dataset_dict.json`) is one
+    shard; with `input_format="hf"` a directory is loaded with `datasets.load_dataset` (local
+    files only); any other directory stands for its corpus files.
     """
-    with open_input(path, PreprocessError, "a .jsonl file") as stream:
-        texts: list[str] = []
-        offset = 0
-        for number, raw in enumerate(stream, start=1):
-            offset += len(raw)
-            if not raw.strip():
+    if input_format is not None and input_format not in FORMATS:
+        raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
+    paths: list[str] = []
+    for spec in specs:
+        if glob.has_magic(spec) and not os.path.exists(spec):
+            matches = sorted(glob.glob(spec))
+            if not matches:
+                raise PreprocessError(f"{spec}: pattern matches no files")
+        else:
+            matches = [spec]
+        for match in matches:
+            if not os.path.exists(match):
+                raise PreprocessError(f"{match}: no such file or directory")
+            is_dataset_dir = input_format in ("hf", "hf-saved") or any(
+                os.path.exists(os.path.join(match, m)) for m in _HF_SAVED_MARKERS
+            )
+            if os.path.isdir(match) and not is_dataset_dir:
+                found = _files_in(match)
+                if not found:
+                    raise PreprocessError(
+                        f"{match}: directory holds no corpus files ({', '.join(SUFFIXES)})"
+                    )
+                paths.extend(found)
+            else:
+                paths.append(match)
+    shards: list[Shard] = []
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            continue
+        seen.add(path)
+        if os.path.isdir(path):
+            if input_format == "hf":
+                fmt = "hf"
+            elif any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS):
+                fmt = "hf-saved"
+            else:
+                raise PreprocessError(
+                    f"{path}: not a saved HF dataset (no state.json); "
+                    f"use --input-format hf to load it with datasets.load_dataset"
+                )
+            size, mtime = _tree_size(path)
+        else:
+            fmt = input_format or _suffix_format(path)
+            if fmt is None or fmt.startswith("hf"):
+                raise PreprocessError(
+                    f"{path}: cannot tell the format from the name; name it with --input-format"
+                )
+            stat = os.stat(path)
+            size, mtime = stat.st_size, stat.st_mtime_ns
+        shards.append(Shard(path, fmt, size, mtime))
+    if not shards:
+        raise PreprocessError("no input files given")
+    return shards
+
+
+# -- the main process: shards into chunks ---------------------------------------------------
+
+
+def chunks(
+    index: int,
+    shard: Shard,
+    keys: Sequence[str],
+    chunk_bytes: int,
+    split: str = "train",
+    cache_dir: str | None = None,
+) -> Iterator[Chunk]:
+    """The chunks of one shard in order; the last has `last=True` (an empty shard has one).
+
+    `split` and `cache_dir` apply to HF datasets (the cache of `load_dataset`)."""
+    if shard.format == "jsonl":
+        produced = _jsonl_ranges(index, shard, chunk_bytes)
+    elif shard.format in ("jsonl.gz", "jsonl.zst"):
+        produced = _compressed_blocks(index, shard, chunk_bytes)
+    elif shard.format == "parquet":
+        produced = _parquet_rows(index, shard, keys)
+    else:
+        produced = _hf_rows(index, shard, keys, split, cache_dir)
+    previous: Chunk | None = None
+    for chunk in produced:
+        if previous is not None:
+            yield previous
+        previous = chunk
+    if previous is None:
+        previous = Chunk(index, shard.path, shard.format, rows=None, blob=b"")
+    previous.last = True
+    yield previous
+
+
+def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
+    with open_input(shard.path, PreprocessError, "a .jsonl file") as stream:
+        size = os.fstat(stream.fileno()).st_size
+        start = 0
+        while start < size:
+            stream.seek(min(start + chunk_bytes, size))
+            stream.readline()  # extend to the end of the line the cut falls in
+            end = min(stream.tell(), size)
+            yield Chunk(index, shard.path, shard.format, start, end, input_bytes=end - start)
+            start = end
+
+
+def _open_compressed(stream: BinaryIO, fmt: str) -> BinaryIO:
+    if fmt == "jsonl.gz":
+        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+    import zstandard
+
+    return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
+
+
+def _compressed_blocks(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
+    import zstandard
+
+    with open_input(shard.path, PreprocessError, "a compressed .jsonl file") as raw:
+        reader = _open_compressed(raw, shard.format)
+        carry = b""
+        consumed = 0
+        while True:
+            try:
+                block = reader.read(chunk_bytes)
+            except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+                kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
+                raise PreprocessError(f"{shard.path}: corrupt {kind} data: {exc}") from None
+            position = raw.tell()
+            if not block:
+                break
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                carry = data
                 continue
-            texts.append(_text_of(raw, key, path, number))
-            if len(texts) == batch_size:
-                yield texts, offset
-                texts = []
-        if texts:
-            yield texts, offset
+            carry = data[cut:]
+            yield Chunk(
+                index, shard.path, shard.format, blob=data[:cut], input_bytes=position - consumed
+            )
+            consumed = position
+        if carry or consumed < shard.size:
+            yield Chunk(
+                index, shard.path, shard.format, blob=carry, input_bytes=shard.size - consumed
+            )
 
 
-def _text_of(raw: bytes, key: str, path: str, number: int) -> str:
-    where = f"{path}:{number}"
+def _require(module: str, extra: str) -> Any:
     try:
-        line = raw.rstrip(b"\r\n").decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PreprocessError(f"{where}: invalid UTF-8 at byte {exc.start} of the line") from None
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise PreprocessError(
+            f"reading this input needs {module.split('.')[0]}: pip install 'hp-data[{extra}]'"
+        ) from None
+
+
+def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chunk]:
+    parquet = _require("pyarrow.parquet", "parquet")
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise PreprocessError(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+        table = parquet.ParquetFile(shard.path)
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
+    names = table.schema_arrow.names
+    _check_columns(shard.path, names, keys)
+    rows = max(table.metadata.num_rows, 1)
+    for batch in table.iter_batches(batch_size=ROWS_PER_CHUNK, columns=list(keys)):
+        columns = batch.to_pydict()
+        share = shard.size * batch.num_rows // rows
+        yield Chunk(index, shard.path, shard.format, rows=columns, input_bytes=share)
+
+
+def _check_columns(path: str, names: Sequence[str], keys: Sequence[str]) -> None:
+    missing = [key for key in keys if key not in names]
+    if missing:
+        raise PreprocessError(
+            f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); "
+            f"choose one with --json-keys"
+        )
+
+
+def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None) -> Any:
+    """The `datasets.Dataset` of an HF shard, never touching a hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    datasets = _require("datasets", "hf")
+    try:
+        if shard.format == "hf-saved":
+            loaded = datasets.load_from_disk(shard.path)
+        else:
+            loaded = datasets.load_dataset(shard.path, split=split, cache_dir=cache_dir)
+    except Exception as exc:  # datasets raises many types for a bad directory
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PreprocessError(f"{shard.path}: cannot load as an HF dataset: {reason}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise PreprocessError(
+                f"{shard.path}: no split {split!r} (splits: {', '.join(loaded)}); use --split"
+            )
+        loaded = loaded[split]
+    return loaded
+
+
+def _hf_rows(
+    index: int, shard: Shard, keys: Sequence[str], split: str, cache_dir: str | None
+) -> Iterator[Chunk]:
+    dataset = load_hf_dataset(shard, split, cache_dir)
+    _check_columns(shard.path, dataset.column_names, keys)
+    total = max(len(dataset), 1)
+    selected = dataset.select_columns(list(keys))
+    for start in range(0, len(dataset), ROWS_PER_CHUNK):
+        columns = selected[start : start + ROWS_PER_CHUNK]
+        count = len(columns[keys[0]])
+        yield Chunk(
+            index, shard.path, shard.format, rows=columns, input_bytes=shard.size * count // total
+        )
+
+
+# -- the workers: chunks into texts ---------------------------------------------------------
+
+
+def read_chunk(chunk: Chunk, keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+    """The valid texts of `chunk`; invalid records are listed (and end the chunk when
+    `stop_at_invalid`)."""
+    if chunk.rows is not None:
+        return _parse_rows(chunk.rows, keys, stop_at_invalid)
+    if chunk.blob is not None:
+        data = chunk.blob
+    else:
+        with open_input(chunk.path, PreprocessError, "a .jsonl file") as stream:
+            stream.seek(chunk.start)
+            data = stream.read(chunk.end - chunk.start)
+    return _parse_lines(data, keys, stop_at_invalid)
+
+
+def _parse_lines(data: bytes, keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    parsed = Parsed([[] for _ in keys], lines=len(lines))
+    single = keys[0] if len(keys) == 1 else None
+    for offset, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        parsed.records += 1
+        try:
+            record = json.loads(raw)  # json.loads accepts UTF-8 bytes and strict checks it
+        except UnicodeDecodeError as exc:
+            problem = ("invalid UTF-8", f"invalid UTF-8 at byte {exc.start} of the line")
+        except json.JSONDecodeError as exc:
+            problem = ("malformed JSON", f"malformed JSON: {exc.msg} (column {exc.colno})")
+        else:
+            if single is not None and type(record) is dict and type(record.get(single)) is str:
+                parsed.texts[0].append(record[single])  # the common case, checked cheaply
+                continue
+            problem = _record_problem(record, keys)
+            if problem is None:
+                for column, key in zip(parsed.texts, keys, strict=True):
+                    column.append(record[key])
+                continue
+        parsed.invalid.append((offset, *problem))
+        if stop_at_invalid:
+            break
+    return parsed
+
+
+def _record_problem(record: Any, keys: Sequence[str]) -> tuple[str, str] | None:
     if not isinstance(record, dict):
-        raise PreprocessError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if key not in record:
-        raise PreprocessError(f"{where}: missing key {key!r} (choose one with --json-keys)")
-    text = record[key]
-    if not isinstance(text, str):
-        raise PreprocessError(f"{where}: {key!r} must be a string, got {type(text).__name__}")
-    return text
+        return ("not an object", f"expected a JSON object, got {type(record).__name__}")
+    for key in keys:
+        if key not in record:
+            return ("missing key", f"missing key {key!r} (choose keys with --json-keys)")
+        if not isinstance(record[key], str):
+            return ("not a string", f"{key!r} must be a string, got {type(record[key]).__name__}")
+    return None
 
 
-def total_size(paths: list[str]) -> int:
-    """Bytes across `paths`, for the progress bar's ETA (missing files count as 0)."""
-    return sum(os.path.getsize(path) for path in paths if os.path.isfile(path))
+def _parse_rows(rows: dict[str, list[Any]], keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+    count = len(rows[keys[0]]) if keys else 0
+    parsed = Parsed([[] for _ in keys], records=count, lines=count)
+    columns = [rows[key] for key in keys]
+    for offset, values in enumerate(zip(*columns, strict=True)):
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        if bad is None:
+            for column, value in zip(parsed.texts, values, strict=True):
+                column.append(value)
+            continue
+        kind = type(values[bad]).__name__
+        parsed.invalid.append(
+            (offset, "not a string", f"{keys[bad]!r} must be a string, got {kind}")
+        )
+        if stop_at_invalid:
+            break
+    return parsed
+
+
+def location(shard: Shard, line: int) -> str:
+    """`file:line` for JSON lines, `file: row N` for tables (both 1-based)."""
+    if shard.format.startswith("jsonl"):
+        return f"{shard.path}:{line}"
+    return f"{shard.path}: row {line}"

@@ -173,14 +173,33 @@ class IndexedDatasetBuilder:
         The bulk form of `add_document(doc, [len(doc)])` per document, which is how Megatron's
         preprocessing writes a corpus; the bytes are the same.
         """
+        lengths_array = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self.add_batch(tokens, lengths_array, np.ones(len(lengths_array), np.int64))
+
+    def add_batch(
+        self,
+        tokens: Any,
+        sequence_lengths: Sequence[int] | np.ndarray,
+        sequences_per_document: Sequence[int] | np.ndarray,
+    ) -> None:
+        """Append many documents at once: `sequences_per_document[k]` sequences each (0 makes
+        a document with no sequences), taking `sequence_lengths` in order."""
         array = self._tokens(tokens)
-        lengths_array = self._lengths_of(lengths, array.size)
+        lengths_array = self._lengths_of(sequence_lengths, array.size)
+        per_document = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
+        if (per_document.size and per_document.min() < 0) or int(per_document.sum()) != len(
+            lengths_array
+        ):
+            raise IndexedDatasetError(
+                f"sequences_per_document must be >= 0 and add up to the {len(lengths_array)} "
+                f"sequences, got a total of {int(per_document.sum())}"
+            )
         self._bin.write(array)
         first = self._lengths.count
         self._lengths.extend(lengths_array)
         if self._modes is not None:
             self._modes.extend(np.zeros(len(lengths_array), np.int8))
-        self._documents.extend(np.arange(first + 1, first + 1 + len(lengths_array), dtype=np.int64))
+        self._documents.extend(first + np.cumsum(per_document))
 
     def _lengths_of(
         self, lengths: Sequence[int] | np.ndarray, token_count: int

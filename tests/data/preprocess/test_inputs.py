@@ -1,0 +1,115 @@
+"""Every input format gives the same dataset for the same documents, in a stable order."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hp_data import IndexedDataset, PreprocessError
+from hp_data.readers import discover
+
+from tests.helpers.corpus_files import WRITERS, english_records, write_jsonl, write_parquet
+from tests.helpers.run import read_bytes, run_preprocess
+
+
+@pytest.fixture(scope="module")
+def records():
+    return english_records(11, 400)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, records, example_tokenizer):
+    directory = tmp_path_factory.mktemp("reference")
+    corpus = write_jsonl(directory / "c.jsonl", records)
+    run_preprocess([corpus], directory / "out", example_tokenizer, append_eod=True)
+    return read_bytes(directory / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [f for f in WRITERS if f != "jsonl"])
+def test_every_format_gives_the_same_dataset(tmp_path, fmt, records, reference, example_tokenizer):
+    source = WRITERS[fmt](tmp_path, records)
+    options = {"input_format": "hf"} if fmt == "hf" else {}
+    summary = run_preprocess(
+        [source],
+        tmp_path / "out",
+        example_tokenizer,
+        append_eod=True,
+        chunk_bytes=4096,
+        workers=2 if fmt == "jsonl.zst" else 1,
+        **options,
+    )
+    assert read_bytes(tmp_path / "out") == reference
+    assert summary.documents_in == len(records)
+    assert not any(name.endswith(".hp-preprocess") for name in os.listdir(tmp_path))
+
+
+def test_inputs_are_read_in_the_documented_order(tmp_path, example_tokenizer):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    names = ["b.jsonl", "a.jsonl.gz", "c.parquet"]
+    for i, name in enumerate(names):
+        WRITERS[{"b.jsonl": "jsonl", "a.jsonl.gz": "jsonl.gz", "c.parquet": "parquet"}[name]](
+            tmp_path, [{"text": f"document {i}"}]
+        ).rename(shards / name)
+    (shards / "notes.txt").write_text("ignored: not a corpus file")
+    found = discover([str(shards)])
+    assert [os.path.basename(s.path) for s in found] == ["a.jsonl.gz", "b.jsonl", "c.parquet"]
+    assert [s.format for s in found] == ["jsonl.gz", "jsonl", "parquet"]
+    by_glob = discover([str(shards / "*.jsonl"), str(shards / "c.parquet")])
+    assert [os.path.basename(s.path) for s in by_glob] == ["b.jsonl", "c.parquet"]
+
+    run_preprocess([shards], tmp_path / "out", example_tokenizer)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    ds = IndexedDataset(tmp_path / "out")
+    assert [tokenizer.decode(ds.get_document(d).tolist()) for d in range(3)] == [
+        "document 1",
+        "document 0",
+        "document 2",
+    ]
+
+
+def test_unknown_inputs_are_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text("x")
+    with pytest.raises(PreprocessError, match="cannot tell the format from the name"):
+        discover([str(tmp_path / "corpus.txt")])
+    with pytest.raises(PreprocessError, match="pattern matches no files"):
+        discover([str(tmp_path / "*.jsonl")])
+    with pytest.raises(PreprocessError, match="no such file or directory"):
+        discover([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(PreprocessError, match="holds no corpus files"):
+        discover([str(tmp_path)])
+    assert discover([str(tmp_path / "corpus.txt")], "jsonl")[0].format == "jsonl"
+
+
+def test_missing_column_and_split_are_named(tmp_path, example_tokenizer):
+    table = write_parquet(tmp_path / "t.parquet", [{"body": "x"}])
+    with pytest.raises(PreprocessError, match=r"t.parquet: no column 'text' \(columns: body\)"):
+        run_preprocess([table], tmp_path / "out", example_tokenizer)
+    saved = WRITERS["hf-saved"](tmp_path, [{"text": "x"}])
+    with pytest.raises(PreprocessError, match=r"no column 'title'"):
+        run_preprocess([saved], tmp_path / "out", example_tokenizer, json_keys=("title",))
+
+
+def test_null_values_in_tables_are_invalid_rows(tmp_path, example_tokenizer):
+    table = write_parquet(tmp_path / "t.parquet", [{"text": "a"}, {"text": None}, {"text": "b"}])
+    with pytest.raises(
+        PreprocessError,
+        match=r"t.parquet: row 2: 'text' must be a string, got "
+        r"NoneType",
+    ):
+        run_preprocess([table], tmp_path / "out", example_tokenizer)
+    summary = run_preprocess([table], tmp_path / "out", example_tokenizer, skip_invalid=True)
+    assert summary.skipped["invalid"] == {"not a string": 1}
+    assert summary.documents_written == 2
+
+
+def test_corrupt_compressed_input(tmp_path, example_tokenizer):
+    WRITERS["jsonl.gz"](tmp_path, english_records(1, 200))
+    data = (tmp_path / "c.jsonl.gz").read_bytes()
+    (tmp_path / "c.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(PreprocessError, match="c.jsonl.gz: corrupt gzip data"):
+        run_preprocess([tmp_path / "c.jsonl.gz"], tmp_path / "out", example_tokenizer)
+    assert not (tmp_path / "out.idx").exists()

@@ -1,0 +1,36 @@
+"""Run hp-data's preprocessing from tests, through the library or the installed command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hp_data.preprocess import PreprocessOptions, PreprocessSummary, preprocess
+
+HP_DATA = str(Path(sys.executable).parent / "hp-data")
+
+
+def run_preprocess(inputs, out, tokenizer, **options) -> PreprocessSummary:
+    options.setdefault("workers", 1)
+    options.setdefault("show_progress", False)
+    return preprocess(
+        [str(i) for i in inputs], str(out), str(tokenizer), PreprocessOptions(**options)
+    )
+
+
+def cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [HP_DATA, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
+
+
+def cli_json(*args: str) -> dict:
+    result = cli(*args, "--json", "--quiet")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def read_bytes(prefix) -> tuple[bytes, bytes]:
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()

@@ -1,0 +1,170 @@
+"""`hp-data preprocess` against `tokenizers`' own `encode_batch`, side by side.
+
+    uv run python tools/bench/bench_preprocess.py [--workers 2] [--mb 50]
+
+Builds (once, cached in --cache) a 32k byte-level BPE trained on CPython's standard library
+sources and a JSONL corpus of English-like text (sentences of the stdlib's docstrings, mixed
+into documents of 3-60 sentences). Then, each in a fresh process:
+
+- reference: `Tokenizer.encode_batch(texts, add_special_tokens=False)` on the texts already in
+  memory, with RAYON_NUM_THREADS=workers (the ceiling: no reading, parsing or writing);
+- hp: `hp-data preprocess corpus.jsonl --workers N --append-eod`, the whole run end to end.
+
+Prints tokens/s, MB/s, documents/s for both, hp's share of the ceiling, and hp's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import resource
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+REFERENCE = """
+import json, sys, time
+from tokenizers import Tokenizer
+texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
+tokenizer = Tokenizer.from_file(sys.argv[2])
+start = time.perf_counter()
+encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "tokens": sum(len(e.ids) for e in encodings),
+                  "documents": len(texts)}))
+"""
+
+
+def prepare(cache: Path, megabytes: float) -> tuple[Path, Path]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    cache.mkdir(parents=True, exist_ok=True)
+    tokenizer_path = cache / "bpe32k.json"
+    corpus = cache / f"english-{megabytes:g}mb.jsonl"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [p for p in sorted(stdlib.rglob("*.py")) if "test" not in p.parts]
+    if not tokenizer_path.exists():
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=32000,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+
+        def texts():
+            for path in sources:
+                try:
+                    yield path.read_text(encoding="utf-8")
+                except UnicodeDecodeError:
+                    continue
+
+        tokenizer.train_from_iterator(texts(), trainer=trainer)
+        tokenizer.save(str(tokenizer_path))
+    if not corpus.exists():
+        import ast
+
+        sentences = []
+        for path in sources:
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef):
+                    doc = ast.get_docstring(node) or ""
+                    for part in re.split(r"(?<=[.!?])\s+|\n\n", doc):
+                        if len(part.strip()) > 20:
+                            sentences.append(" ".join(part.split()))
+        rng = random.Random(0)
+        target = int(megabytes * 1e6)
+        with open(corpus, "w", encoding="utf-8") as out:
+            written = 0
+            while written < target:
+                text = " ".join(rng.choice(sentences) for _ in range(rng.randint(3, 60)))
+                line = json.dumps({"text": text}) + "\n"
+                out.write(line)
+                written += len(line)
+    return corpus, tokenizer_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--mb", type=float, default=50.0)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hp-bench")
+    args = parser.parse_args()
+
+    corpus, tokenizer = prepare(args.cache, args.mb)
+    size = corpus.stat().st_size
+    env = {**os.environ, "RAYON_NUM_THREADS": str(args.workers)}
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            str(Path(sys.executable).parent / "hp-data"),
+            "preprocess",
+            str(corpus),
+            "--out",
+            f"{out}/bench",
+            "--tokenizer",
+            str(tokenizer),
+            "--append-eod",
+            "--workers",
+            str(args.workers),
+            "--quiet",
+            "--json",
+        ]
+        start = time.perf_counter()
+        result = subprocess.run(command, check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+    summary = json.loads(result.stdout)
+    # The largest resident set of any one process of the hp run (main or a worker), read
+    # before the reference runs, which holds the whole corpus in memory.
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    reference = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", REFERENCE, str(corpus), str(tokenizer)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+
+    def report(name: str, seconds: float, tokens: int, documents: int) -> float:
+        rate = tokens / seconds
+        print(
+            f"{name:<44} {seconds:7.2f} s  {rate / 1e6:6.3f} M tokens/s  "
+            f"{size / seconds / 1e6:6.2f} MB/s  {documents / seconds:8.0f} docs/s"
+        )
+        return rate
+
+    print(
+        f"corpus: {size / 1e6:.1f} MB, {reference['documents']:,} documents; "
+        f"32k byte-level BPE; {args.workers} threads / workers"
+    )
+    ceiling = report(
+        f"tokenizers encode_batch ({args.workers} threads)",
+        reference["seconds"],
+        reference["tokens"],
+        reference["documents"],
+    )
+    # hp's tokens include one EOD per document; compare like with like.
+    hp_rate = report(
+        "hp-data preprocess (whole run, wall clock)",
+        wall,
+        summary["tokens"] - summary["documents_written"],
+        summary["documents_in"],
+    )
+    print(f"hp / encode_batch: {hp_rate / ceiling:.1%}   peak RSS of one process: {peak_mb:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
