@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import xxhash
@@ -188,7 +188,8 @@ class _WorkDir:
         return os.path.join(self.path, f"shard{index:06d}_{key}")
 
     def hashes_path(self, index: int) -> str:
-        return os.path.join(self.path, f"shard{index:06d}.hashes.npy")
+        """Raw (n, 2) uint64 hashes of the records a finished shard kept."""
+        return os.path.join(self.path, f"shard{index:06d}.hashes")
 
     def reusable(self, shards: list[Shard], keys: tuple[str, ...]) -> int:
         """How many leading shards a previous run finished with these same inputs."""
@@ -329,9 +330,10 @@ def preprocess(
     workdir = _WorkDir(out_prefix, _config_hash(files, spec, options))
     resumed = workdir.reusable(shards, keys)
     seen = HashSet() if spec.dedup else None
-    for index in range(resumed):
-        if seen is not None:
-            seen.add_new(np.load(workdir.hashes_path(index)))
+    for index in range(resumed if seen is not None else 0):
+        with open(workdir.hashes_path(index), "rb") as stream:
+            while len(block := np.fromfile(stream, dtype=np.uint64, count=2 << 20)):
+                seen.add_new(block.reshape(-1, 2))  # type: ignore[union-attr]
 
     progress = Progress(
         sum(s.size for s in shards),
@@ -384,7 +386,7 @@ class _Run:
         self.seen, self.progress, self.skip_invalid = seen, progress, skip_invalid
         self.current: int | None = None
         self.builders: list[IndexedDatasetBuilder] = []
-        self.hashes: list[np.ndarray] = []
+        self.hashes: BinaryIO | None = None  # kept hashes of the current shard, spilled
         self.stats = _ShardStats()
         self.done_bytes = progress.already
         self.input_bytes = 0
@@ -397,7 +399,8 @@ class _Run:
             IndexedDatasetBuilder(self.workdir.shard_prefix(index, key), self.dtype)
             for key in self.keys
         ]
-        self.hashes = []
+        if self.seen is not None:
+            self.hashes = open(self.workdir.hashes_path(index) + ".tmp", "wb")  # noqa: SIM115
         self.stats = _ShardStats(tokens=dict.fromkeys(self.keys, 0))
 
     def take(self, result: _Result) -> None:
@@ -421,7 +424,7 @@ class _Run:
             if not fresh.all():
                 tokens = [t[np.repeat(fresh, n)] for t, n in zip(tokens, lengths, strict=True)]
                 lengths = [n[fresh] for n in lengths]
-            self.hashes.append(result.hashes[fresh])
+            self.hashes.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
         for key, builder, key_tokens, key_lengths in zip(
             self.keys, self.builders, tokens, lengths, strict=True
         ):
@@ -442,12 +445,11 @@ class _Run:
     def _finish(self, shard: Shard, index: int) -> None:
         for builder in self.builders:
             builder.finalize()
-        if self.seen is not None:
-            hashes = np.concatenate(self.hashes) if self.hashes else np.empty((0, 2), np.uint64)
+        if self.hashes is not None:
+            self.hashes.close()
             target = self.workdir.hashes_path(index)
-            with open(target + ".tmp", "wb") as stream:
-                np.save(stream, hashes)
             os.replace(target + ".tmp", target)
+            self.hashes = None
         self.workdir.record(shard, self.stats)
         self.builders = []
         self.current = None
@@ -455,6 +457,8 @@ class _Run:
     def abort(self) -> None:
         for builder in self.builders:
             builder.abort()
+        if self.hashes is not None:
+            self.hashes.close()
 
 
 def _summarize(

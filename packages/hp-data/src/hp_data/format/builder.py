@@ -12,7 +12,7 @@ import numpy as np
 
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, check_token_range
-from hp_data.format.header import bin_path, idx_path, pack_header, prefix_of
+from hp_data.format.header import bin_path, drop_pages, idx_path, pack_header, prefix_of
 from hp_data.format.reader import IndexedDataset
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -245,9 +245,11 @@ class IndexedDatasetBuilder:
                 self._lengths.extend(source.sequence_lengths[start : start + step])
                 if self._modes is not None and source.sequence_modes is not None:
                     self._modes.extend(source.sequence_modes[start : start + step])
+                drop_pages(source.sequence_lengths)
             boundaries = source.document_indices
             for start in range(1, len(boundaries), step):
                 self._documents.extend(boundaries[start : start + step] + offset)
+                drop_pages(boundaries)
             with open(source.bin_path, "rb") as data:
                 while block := data.read(COPY_BUFFER):
                     self._bin.write(block)

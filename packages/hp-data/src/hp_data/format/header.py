@@ -15,6 +15,7 @@ Layout (Megatron IndexedDataset v1, little-endian, no padding)::
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -138,6 +139,19 @@ def map_file(stream: Any, size: int) -> np.ndarray | bytes:
     if size == 0:
         return b""
     return np.memmap(stream, dtype=np.uint8, mode="r", shape=(size,))
+
+
+def drop_pages(view: np.ndarray) -> None:
+    """Tell the kernel we are done, for now, with the pages of the file `view` maps.
+
+    They stay in the page cache and fault back in on the next read, but leave this process's
+    resident set, so walking a huge index once does not look like memory growth.
+    """
+    base: object = view
+    while base is not None and getattr(base, "_mmap", None) is None:
+        base = getattr(base, "base", None)
+    if base is not None and hasattr(mmap, "MADV_DONTNEED"):
+        base._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]
 
 
 def map_index_arrays(
