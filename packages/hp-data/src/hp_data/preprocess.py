@@ -276,10 +276,6 @@ class PreprocessSummary:
     seconds: float
     dedup_hash_set_bytes: int | None = None
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
     def as_dict(self) -> dict[str, Any]:
         seconds = max(self.seconds, 1e-9)
         return {
