@@ -356,10 +356,18 @@ def preprocess(
         raise
     progress.close()
 
-    for key, final in outputs.items():
-        with IndexedDatasetBuilder(final, dtype) as builder:
+    # Every key's output is complete before any is renamed into place.
+    finals = [IndexedDatasetBuilder(final, dtype) for final in outputs.values()]
+    try:
+        for key, builder in zip(outputs, finals, strict=True):
             for index in range(len(shards)):
                 builder.add_index(workdir.shard_prefix(index, key))
+    except BaseException:
+        for builder in finals:
+            builder.abort()
+        raise
+    for builder in finals:
+        builder.finalize()
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     workdir.remove()
     return _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
