@@ -1,0 +1,264 @@
+"""The pure index functions behind GPTDataset and BlendableDataset: arrays in, arrays out.
+
+Each reproduces megatron-core 0.16 exactly (document, sample and shuffle indices from one
+`numpy.random.RandomState` used in Megatron's order; the blending rule of
+`helpers_cpp.build_blending_indices`) and returns int64 wherever a count can pass 2^31.
+The sample index is vectorised (a cumulative sum and `searchsorted`); the blending loop,
+sequential by nature, is compiled by numba on first use, never at import.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from hp_data.errors import HpDataError
+
+SPLITS = ("train", "valid", "test")
+FINAL_EPOCH_THRESHOLD = 0.80  # Megatron: a final epoch under 80% full is shuffled on its own
+
+
+class IndexBuildError(HpDataError):
+    """Index construction was asked for something impossible (no tokens, bad split, ...)."""
+
+
+# -- splits ---------------------------------------------------------------------------------
+
+
+def parse_split(split: str | Sequence[float]) -> list[float]:
+    """`"969,30,1"` (or numbers) -> normalised train/valid/test shares, as Megatron parses."""
+    if isinstance(split, str):
+        values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    else:
+        values = [float(v) for v in split]
+    if len(values) > len(SPLITS) or any(v < 0 for v in values) or not any(values):
+        raise IndexBuildError(
+            f"split {split!r}: give up to three non-negative shares, not all zero, e.g. 969,30,1"
+        )
+    values += [0.0] * (len(SPLITS) - len(values))
+    weights = np.array(values, dtype=np.float64)
+    return (weights / weights.sum()).tolist()
+
+
+def split_ranges(num_elements: int, split: Sequence[float]) -> list[tuple[int, int] | None]:
+    """The `[begin, end)` element range of each split (None for a zero share), Megatron's
+    book-ends rounded the same way."""
+    ranges: list[tuple[int, int] | None] = []
+    start = 0.0
+    for share in split:
+        end = start + share
+        if end <= start:
+            ranges.append(None)
+        else:
+            ranges.append((round(start * float(num_elements)), round(end * float(num_elements))))
+        start = end
+    return ranges
+
+
+# -- epochs ---------------------------------------------------------------------------------
+
+
+def num_epochs_for(
+    tokens_per_epoch: int, num_samples: int | None, seq_length: int, add_extra_token: int
+) -> int:
+    """The fewest epochs that hold `num_samples` samples (1 when num_samples is None)."""
+    if num_samples is None:
+        return 1
+    if tokens_per_epoch <= 0:
+        raise IndexBuildError("the split holds no tokens; it cannot give any samples")
+    needed = num_samples * seq_length + add_extra_token
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def separate_final_epoch(
+    num_epochs: int,
+    tokens_per_epoch: int,
+    num_samples: int | None,
+    seq_length: int,
+    add_extra_token: int,
+) -> tuple[bool, int]:
+    """Whether the last epoch is shuffled apart from the others (Megatron's 80% rule), and the
+    number of samples before it."""
+    if num_epochs == 1 or num_samples is None:
+        return False, 0
+    before = ((num_epochs - 1) * tokens_per_epoch - add_extra_token) // seq_length
+    from_final = num_samples - before
+    per_epoch = (tokens_per_epoch - add_extra_token) // seq_length
+    return from_final < int(FINAL_EPOCH_THRESHOLD * per_epoch), before
+
+
+# -- the three GPT indices ------------------------------------------------------------------
+
+
+def build_document_index(
+    documents: np.ndarray,
+    num_epochs: int,
+    rng: np.random.RandomState,
+    separate_final_epoch: bool,
+) -> np.ndarray:
+    """`documents` repeated `num_epochs` times and shuffled (the last epoch apart when asked)."""
+    if not separate_final_epoch or num_epochs == 1:
+        document_index = np.tile(np.asarray(documents, dtype=np.int64), num_epochs)
+        rng.shuffle(document_index)
+        return document_index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    last = build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def num_samples_in(
+    num_epochs: int,
+    tokens_per_epoch: int,
+    seq_length: int,
+    drop_last_partial_sequence: bool,
+    add_extra_token: int,
+) -> int:
+    """How many samples the sample index holds, exactly as megatron-core's C++ counts them
+    (including its float32 rounding when the partial last sample is kept)."""
+    tokens = num_epochs * tokens_per_epoch - add_extra_token
+    if drop_last_partial_sequence:
+        return tokens // seq_length
+    return math.ceil(np.float32(np.float32(tokens) / np.float32(seq_length)))
+
+
+def build_sample_index(
+    sizes: np.ndarray,
+    document_index: np.ndarray,
+    seq_length: int,
+    num_epochs: int,
+    tokens_per_epoch: int,
+    drop_last_partial_sequence: bool = True,
+    add_extra_token: int = 1,
+) -> np.ndarray:
+    """The (samples + 1, 2) int64 index of (position in document_index, token offset) where
+    each sample starts; same arguments and numbers as megatron-core's `build_sample_idx`.
+
+    Sample k spans flat tokens [k L, (k+1) L + extra) of the documents laid end to end in
+    `document_index` order; its end is recorded in the document that holds its last token.
+    """
+    if seq_length <= 1 or num_epochs <= 0 or tokens_per_epoch <= 1:
+        raise IndexBuildError(
+            f"need seq_length > 1, num_epochs > 0 and more than one token per epoch "
+            f"(got {seq_length}, {num_epochs}, {tokens_per_epoch})"
+        )
+    extra = int(add_extra_token)
+    count = num_samples_in(
+        num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra
+    )
+    lengths = np.asarray(sizes)[np.asarray(document_index)].astype(np.int64)
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if len(ends) else 0
+    boundaries = np.arange(1, count + 1, dtype=np.int64) * seq_length
+    last_tokens = boundaries + (extra - 1)
+    position = np.searchsorted(ends, last_tokens, side="right")
+    beyond = last_tokens >= total  # the kept partial sample runs out of documents
+    position[beyond] = len(lengths) - 1
+    offset = boundaries - (ends[position] - lengths[position])
+    offset[beyond] = int(np.asarray(sizes)[document_index[-1]]) - extra
+    index = np.empty((count + 1, 2), dtype=np.int64)
+    index[0] = 0
+    index[1:, 0] = position
+    index[1:, 1] = offset
+    return index
+
+
+def build_shuffle_index(
+    num_samples: int, total_size: int, rng: np.random.RandomState
+) -> np.ndarray:
+    """`[0, num_samples)` shuffled, then `[num_samples, total_size)` shuffled apart (int64)."""
+    first = np.arange(num_samples, dtype=np.int64)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=np.int64)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_gpt_indices(
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    seq_length: int,
+    num_samples: int | None,
+    seed: int,
+    add_extra_token: bool = True,
+    drop_last_partial_sequence: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Document, sample and shuffle indices of one GPTDataset split, in Megatron's order.
+
+    `sizes` are the sequence lengths of the corpus, `documents` the sequence ids of the split,
+    `num_samples` None for one epoch.
+    """
+    extra = int(add_extra_token)
+    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
+    epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length, extra)
+    separate, before = separate_final_epoch(
+        epochs, tokens_per_epoch, num_samples, seq_length, extra
+    )
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, epochs, rng, separate)
+    sample_index = build_sample_index(
+        sizes,
+        document_index,
+        seq_length,
+        epochs,
+        tokens_per_epoch,
+        drop_last_partial_sequence,
+        extra,
+    )
+    total = len(sample_index) - 1
+    shuffle_index = build_shuffle_index(before if separate else total, total, rng)
+    return document_index, sample_index, shuffle_index
+
+
+# -- blending -------------------------------------------------------------------------------
+
+_blend_kernel = None
+
+
+def _compiled_blend():
+    """The blending loop, compiled by numba the first time it is needed (cached on disk)."""
+    global _blend_kernel
+    if _blend_kernel is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def blend(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover
+            counts = np.zeros(len(weights), dtype=np.int64)
+            for i in range(size):
+                scale = max(float(i), 1.0)
+                best = 0
+                best_error = weights[0] * scale - float(counts[0])
+                for k in range(1, len(weights)):
+                    error = weights[k] * scale - float(counts[k])
+                    if error > best_error:
+                        best_error = error
+                        best = k
+                dataset_index[i] = best
+                dataset_sample_index[i] = counts[best]
+                counts[best] += 1
+
+        _blend_kernel = blend
+    return _blend_kernel
+
+
+def build_blending_indices(
+    weights: Sequence[float] | np.ndarray, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(dataset_index int16, dataset_sample_index int64)` of `size` blended samples.
+
+    Megatron's largest-error rule: sample i goes to the first dataset with the largest
+    `w_k * max(i, 1) - count_k`; per-dataset sample ids run 0, 1, 2, ... . The weights are used
+    as given (float64), as `helpers_cpp.build_blending_indices` uses them.
+    """
+    weights_array = np.ascontiguousarray(weights, dtype=np.float64)
+    if weights_array.ndim != 1 or not 0 < len(weights_array) < 32767:
+        raise IndexBuildError(f"need between 1 and 32766 weights, got {weights_array.shape}")
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    if size:
+        _compiled_blend()(weights_array, size, dataset_index, dataset_sample_index)
+    return dataset_index, dataset_sample_index
