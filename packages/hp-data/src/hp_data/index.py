@@ -119,6 +119,8 @@ def num_samples_in(
     """How many samples the sample index holds, exactly as megatron-core's C++ counts them
     (including its float32 rounding when the partial last sample is kept)."""
     tokens = num_epochs * tokens_per_epoch - add_extra_token
+    if tokens <= 0:
+        return 0  # C++ integer division truncates (-1 / L == 0); Python's would floor
     if drop_last_partial_sequence:
         return tokens // seq_length
     return math.ceil(np.float32(np.float32(tokens) / np.float32(seq_length)))
@@ -139,10 +141,9 @@ def build_sample_index(
     Sample k spans flat tokens [k L, (k+1) L + extra) of the documents laid end to end in
     `document_index` order; its end is recorded in the document that holds its last token.
     """
-    if seq_length <= 1 or num_epochs <= 0 or tokens_per_epoch <= 1:
+    if seq_length <= 1 or num_epochs <= 0:
         raise IndexBuildError(
-            f"need seq_length > 1, num_epochs > 0 and more than one token per epoch "
-            f"(got {seq_length}, {num_epochs}, {tokens_per_epoch})"
+            f"need seq_length > 1 and num_epochs > 0 (got {seq_length}, {num_epochs})"
         )
     extra = int(add_extra_token)
     count = num_samples_in(
@@ -157,7 +158,8 @@ def build_sample_index(
     beyond = last_tokens >= total  # the kept partial sample runs out of documents
     position[beyond] = len(lengths) - 1
     offset = boundaries - (ends[position] - lengths[position])
-    offset[beyond] = int(np.asarray(sizes)[document_index[-1]]) - extra
+    if beyond.any():
+        offset[beyond] = int(np.asarray(sizes)[document_index[-1]]) - extra
     index = np.empty((count + 1, 2), dtype=np.int64)
     index[0] = 0
     index[1:, 0] = position

@@ -1,0 +1,208 @@
+"""GPTDataset: Megatron's GPT samples over an IndexedDataset, from cached index arrays.
+
+For the same corpus, split, seed, sequence length and sample count, sample `i` is the same
+token window as megatron-core 0.16's `GPTDataset[i]` (tested element for element). Items are
+numpy arrays; `hp_data.torch` turns them into tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from hp_data.cache import load_or_build
+from hp_data.errors import HpDataError
+from hp_data.format.reader import IndexedDataset
+from hp_data.index import SPLITS, IndexBuildError, build_gpt_indices, parse_split, split_ranges
+
+PAD_TOKEN = -1  # megatron-core's _PAD_TOKEN_ID: never a real id, zeroed in the item
+
+
+@dataclass(frozen=True)
+class GPTDatasetConfig:
+    """What shapes the samples. The first five fields enter the cache key."""
+
+    seq_length: int
+    seed: int = 1234
+    split: str = "969,30,1"
+    add_extra_token: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    eod_token: int | None = None
+    pad_token: int = PAD_TOKEN
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    return_cu_seqlens: bool = False
+    cache_dir: str | None = None
+
+
+def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:
+    """What identifies the corpus layout: a regenerated corpus gets new indices."""
+    return {
+        "dtype": str(dataset.dtype),
+        "sequences": len(dataset),
+        "sequence_lengths_xxh3": _hash_array(dataset.sequence_lengths),
+        "bin_bytes": os.path.getsize(dataset.bin_path),
+    }
+
+
+def _hash_array(array: np.ndarray) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for start in range(0, len(array), 1 << 24):
+        digest.update(np.ascontiguousarray(array[start : start + (1 << 24)]).tobytes())
+    return digest.hexdigest()
+
+
+class GPTDataset:
+    """Fixed-length samples of `config.seq_length` tokens drawn from one split of a corpus.
+
+    `num_samples=None` gives one epoch (megatron's `num_samples=None`). Index arrays come from
+    `config.cache_dir` (built once under a lock, loaded memory-mapped).
+    """
+
+    def __init__(
+        self,
+        dataset: IndexedDataset | str,
+        split: str,
+        num_samples: int | None,
+        config: GPTDatasetConfig,
+    ) -> None:
+        if split not in SPLITS:
+            raise HpDataError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+        if config.seq_length < 2:
+            raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
+        if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
+            raise HpDataError("eod_mask_loss and reset_position_ids need config.eod_token")
+        self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
+        self.split = split
+        self.config = config
+        self.num_samples = num_samples
+        ranges = split_ranges(len(self.dataset), parse_split(config.split))
+        span = ranges[SPLITS.index(split)]
+        if span is None:
+            raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
+        self.documents = np.arange(span[0], span[1], dtype=np.int64)
+        drop_last = split != "valid" or config.drop_last_partial_validation_sequence
+        description = {
+            "corpus": corpus_fingerprint(self.dataset),
+            "split": split,
+            "split_range": list(span),
+            "seed": config.seed,
+            "seq_length": config.seq_length,
+            "num_samples": num_samples,
+            "add_extra_token": config.add_extra_token,
+            "drop_last_partial_sequence": drop_last,
+        }
+
+        def build() -> dict[str, np.ndarray]:
+            try:
+                document, sample, shuffle = build_gpt_indices(
+                    self.dataset.sequence_lengths,
+                    self.documents,
+                    config.seq_length,
+                    num_samples,
+                    config.seed,
+                    config.add_extra_token,
+                    drop_last,
+                )
+            except IndexBuildError as exc:
+                raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
+            return {"document_index": document, "sample_index": sample, "shuffle_index": shuffle}
+
+        arrays, self.cache_report = load_or_build(
+            config.cache_dir,
+            description,
+            "GPTDataset",
+            split,
+            ("document_index", "sample_index", "shuffle_index"),
+            build,
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self._extra = int(config.add_extra_token)
+
+    def __len__(self) -> int:
+        return len(self.sample_index) - 1
+
+    def sample_tokens(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `seq_length + extra` token ids (int64, padded) of sample `idx`, and where each
+        document part ends inside them."""
+        length = self.config.seq_length + self._extra
+        if not -len(self) <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {len(self)} samples")
+        row = int(self.shuffle_index[idx])
+        first, first_offset = (int(v) for v in self.sample_index[row])
+        last, last_offset = (int(v) for v in self.sample_index[row + 1])
+        out = np.full(length, self.config.pad_token, dtype=np.int64)
+        ends = []
+        filled = 0
+        for position in range(first, last + 1):
+            sequence = int(self.document_index[position])
+            offset = first_offset if position == first else 0
+            if position == last:
+                count = last_offset + self._extra - offset
+            else:
+                count = int(self.dataset.sequence_lengths[sequence]) - offset
+            part = self.dataset.get(sequence, offset, count)
+            out[filled : filled + len(part)] = part
+            filled += len(part)
+            ends.append(filled)
+        return out, np.array(ends, dtype=np.int64)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        text, ends = self.sample_tokens(int(idx))
+        config = self.config
+        if self._extra:
+            tokens, labels = text[:-1].copy(), text[1:].copy()
+        else:
+            tokens, labels = text, np.roll(text, -1)
+            labels[-1] = config.pad_token
+        length = len(tokens)
+        loss_mask = np.ones(length, dtype=np.float32)
+        position_ids = np.arange(length, dtype=np.int64)
+        if config.eod_token is not None and (config.eod_mask_loss or config.reset_position_ids):
+            eods = np.flatnonzero(tokens == config.eod_token)
+            if config.eod_mask_loss:
+                loss_mask[eods] = 0.0
+            if config.reset_position_ids and len(eods):
+                # Positions restart after every EOD: subtract the start of the current document.
+                starts = np.zeros(length, dtype=np.int64)
+                starts[eods[eods + 1 < length] + 1] = eods[eods + 1 < length] + 1
+                position_ids -= np.maximum.accumulate(starts)
+        loss_mask[labels == config.pad_token] = 0.0
+        tokens[tokens == config.pad_token] = 0
+        labels[labels == config.pad_token] = 0
+        item = {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+        }
+        if config.return_cu_seqlens:
+            inside = ends[ends < length]
+            item["cu_seqlens"] = np.unique(np.concatenate(([0], inside, [length]))).astype(np.int32)
+        return item
+
+    def get_batch(self, indices: Any) -> dict[str, np.ndarray]:
+        """Items `indices` stacked to [B, L] (cu_seqlens, if asked, as a list)."""
+        items = [self[int(i)] for i in indices]
+        batch = {
+            key: np.stack([item[key] for item in items])
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        if self.config.return_cu_seqlens:
+            batch["cu_seqlens"] = [item["cu_seqlens"] for item in items]  # type: ignore[assignment]
+        return batch
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "samples": len(self),
+            "config": asdict(self.config),
+            **self.cache_report,
+        }
