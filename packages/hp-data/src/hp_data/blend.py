@@ -1,0 +1,200 @@
+"""BlendableDataset and the builder of train/valid/test datasets from a `--data-path` spec.
+
+Reproduces megatron-core 0.16's `BlendedMegatronDatasetBuilder` for weighted blends: each
+corpus is split the same way, dataset k of a split of N samples is asked for
+`ceil(ceil(N * w_k) * 1.005)` samples (the 0.5% surplus), the blend holds
+`sum_k ceil(N * w_k)` samples, and sample i comes from the dataset with the largest error
+(`hp_data.index.build_blending_indices`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from hp_data.cache import load_or_build
+from hp_data.errors import HpDataError
+from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.index import SPLITS, build_blending_indices, parse_split
+
+SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus
+
+BlendSpec = str | Sequence[str] | Sequence[tuple[float, str]]
+
+
+def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
+    """Prefixes and weights (None when unweighted) from `"0.3 /a 0.7 /b"`, `["0.3", "/a",
+    "0.7", "/b"]`, `[(0.3, "/a"), (0.7, "/b")]`, or a single prefix."""
+    if isinstance(spec, str):
+        items: list[Any] = spec.split()
+    else:
+        items = list(spec)
+    if items and all(isinstance(i, tuple | list) and len(i) == 2 for i in items):
+        items = [x for pair in items for x in pair]
+    if not items:
+        raise HpDataError("empty --data-path: give a prefix, or weights and prefixes")
+    if len(items) == 1:
+        return [str(items[0])], None
+    if len(items) % 2:
+        raise HpDataError(
+            f"--data-path {' '.join(map(str, items))!r}: expected weight/prefix pairs, "
+            f"e.g. '0.3 /data/a 0.7 /data/b'"
+        )
+    weights, prefixes = [], []
+    for weight, prefix in zip(items[::2], items[1::2], strict=True):
+        try:
+            value = float(weight)
+        except (TypeError, ValueError):
+            raise HpDataError(
+                f"--data-path: {weight!r} is not a weight; write 'WEIGHT PREFIX' pairs"
+            ) from None
+        if not value > 0 or not math.isfinite(value):
+            raise HpDataError(f"--data-path: weight {weight!r} of {prefix} must be positive")
+        weights.append(value)
+        prefixes.append(str(prefix))
+    return prefixes, weights
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their sum in float64, exactly as megatron-core normalises them."""
+    array = np.array(weights, dtype=np.float64)
+    return (array / array.sum()).tolist()
+
+
+def sizes_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.0) -> list[int]:
+    """`ceil(ceil(size * w) * (1 + surplus))` for each normalised weight."""
+    return [math.ceil(math.ceil(size * w) * (1 + surplus)) for w in weights]
+
+
+class BlendableDataset:
+    """Samples from several datasets mixed by weight with the largest-error rule.
+
+    An item is the chosen dataset's item plus `dataset_id`. A dataset asked for more samples
+    than it has is an error naming it (megatron-core's behaviour); `allow_wrap=True` wraps its
+    sample ids around instead, with a warning.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Any],
+        weights: Sequence[float],
+        size: int,
+        split: str,
+        cache_dir: str | None = None,
+        allow_wrap: bool = False,
+    ) -> None:
+        if len(datasets) != len(weights) or not datasets:
+            raise HpDataError("a blend needs one weight per dataset, and at least one dataset")
+        self.datasets = list(datasets)
+        self.weights = normalize(weights)
+        self.size = size
+        self.split = split
+        description = {
+            "datasets": [getattr(d, "cache_report", {}).get("key", repr(d)) for d in datasets],
+            "weights": self.weights,
+            "size": size,
+            "split": split,
+        }
+        arrays, self.cache_report = load_or_build(
+            cache_dir,
+            description,
+            "BlendedDataset",
+            split,
+            ("dataset_index", "dataset_sample_index"),
+            lambda: dict(
+                zip(
+                    ("dataset_index", "dataset_sample_index"),
+                    build_blending_indices(self.weights, size),
+                    strict=True,
+                )
+            ),
+        )
+        self.dataset_index = arrays["dataset_index"]
+        self.dataset_sample_index = arrays["dataset_sample_index"]
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        self._wrap = np.array([len(d) for d in datasets], dtype=np.int64)
+        for k, (count, dataset) in enumerate(zip(counts, datasets, strict=True)):
+            if count <= len(dataset):
+                continue
+            name = getattr(getattr(dataset, "dataset", None), "path_prefix", f"dataset {k}")
+            if not allow_wrap:
+                raise HpDataError(
+                    f"the {split} blend asks {name} for {count} samples but it has "
+                    f"{len(dataset)}; raise its num_samples (or the surplus), or pass "
+                    f"allow_wrap=True to reuse its samples"
+                )
+            warnings.warn(
+                f"the {split} blend wraps around {name}: {count} samples from {len(dataset)}",
+                stacklevel=2,
+            )
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        k = int(self.dataset_index[idx])
+        sample = int(self.dataset_sample_index[idx]) % int(self._wrap[k])
+        return {"dataset_id": k, **self.datasets[k][sample]}
+
+
+def build_datasets(
+    data_path: BlendSpec | None,
+    config: GPTDatasetConfig,
+    num_samples: Sequence[int | None] = (None, None, None),
+    blend_per_split: Sequence[BlendSpec | None] | None = None,
+    allow_wrap: bool = False,
+) -> list[GPTDataset | BlendableDataset | None]:
+    """Train, valid and test datasets (None for a zero share), as megatron-core builds them.
+
+    `data_path` is one prefix or a weighted blend, split by `config.split`; or give
+    `blend_per_split` (one spec per split, each used whole). Unweighted blends of several
+    prefixes are not supported: give weights.
+    """
+    num_samples = list(num_samples) + [None] * (3 - len(num_samples))
+    if blend_per_split is not None:
+        out: list[GPTDataset | BlendableDataset | None] = []
+        for split, spec, size in zip(SPLITS, blend_per_split, num_samples, strict=True):
+            if spec is None:
+                out.append(None)
+                continue
+            shares = ["0", "0", "0"]
+            shares[SPLITS.index(split)] = "1"
+            whole = replace(config, split=",".join(shares))
+            out.append(_build_split(spec, whole, split, size, allow_wrap))
+        return out
+    if data_path is None:
+        raise HpDataError("give data_path or blend_per_split")
+    shares = parse_split(config.split)
+    return [
+        _build_split(data_path, config, split, size, allow_wrap) if share > 0 else None
+        for split, share, size in zip(SPLITS, shares, num_samples, strict=True)
+    ]
+
+
+def _build_split(
+    spec: BlendSpec, config: GPTDatasetConfig, split: str, size: int | None, allow_wrap: bool
+) -> GPTDataset | BlendableDataset:
+    prefixes, weights = parse_blend(spec)
+    for prefix in prefixes:
+        if not os.path.exists(prefix + ".idx"):
+            raise HpDataError(f"{prefix}.idx: no such dataset (in --data-path)")
+    if len(prefixes) == 1 and weights is None:
+        return GPTDataset(prefixes[0], split, size, config)
+    if weights is None:
+        raise HpDataError("a blend of several prefixes needs weights: '0.3 /a 0.7 /b'")
+    if size is None:
+        raise HpDataError(f"a weighted blend needs a sample count for the {split} split")
+    normalized = normalize(weights)
+    targets = sizes_per_dataset(normalized, size)
+    buffered = sizes_per_dataset(normalized, size, SURPLUS)
+    datasets = [
+        GPTDataset(prefix, split, count, config)
+        for prefix, count in zip(prefixes, buffered, strict=True)
+    ]
+    return BlendableDataset(datasets, normalized, sum(targets), split, config.cache_dir, allow_wrap)

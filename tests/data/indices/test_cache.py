@@ -1,0 +1,120 @@
+"""The index cache: keyed by everything that shapes the indices, atomic, built once."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hp_data import IndexedDatasetBuilder
+from hp_data.cache import fingerprint, load_or_build
+from hp_data.gpt import GPTDataset, GPTDatasetConfig
+
+from tests.helpers.corpus import random_corpus, write_with_hp
+
+
+def _build_counted(directory: str, marker_dir: str) -> list[int]:
+    def build():
+        # Leave a trace per actual build, and take long enough for the others to queue.
+        Path(marker_dir, f"built-{os.getpid()}").touch()
+        import time
+
+        time.sleep(0.3)
+        return {"values": np.arange(1000, dtype=np.int64) * 3}
+
+    arrays, _ = load_or_build(directory, {"what": "test"}, "Test", "train", ("values",), build)
+    return arrays["values"].tolist()
+
+
+def test_concurrent_builders_build_once_and_agree(tmp_path):
+    cache, markers = tmp_path / "cache", tmp_path / "markers"
+    markers.mkdir()
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(4) as pool:
+        results = pool.starmap(_build_counted, [(str(cache), str(markers))] * 4)
+    assert len(os.listdir(markers)) == 1
+    assert all(r == list(range(0, 3000, 3)) for r in results)
+
+
+def test_files_are_named_like_megatrons_and_described(tmp_path):
+    arrays, report = load_or_build(
+        str(tmp_path),
+        {"seed": 1},
+        "GPTDataset",
+        "valid",
+        ("document_index", "sample_index"),
+        lambda: {"document_index": np.arange(3), "sample_index": np.zeros((2, 2), np.int64)},
+    )
+    key = fingerprint({"seed": 1})
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
+    assert names == [
+        f"{key}-GPTDataset-valid-description.json",
+        f"{key}-GPTDataset-valid-document_index.npy",
+        f"{key}-GPTDataset-valid-sample_index.npy",
+    ]
+    description = json.loads((tmp_path / names[0]).read_text())
+    assert description["seed"] == 1 and description["split"] == "valid"
+    assert isinstance(arrays["document_index"], np.memmap)  # loads are memory-mapped
+    assert report["built_seconds"] is not None
+    _, again = load_or_build(
+        str(tmp_path),
+        {"seed": 1},
+        "GPTDataset",
+        "valid",
+        ("document_index", "sample_index"),
+        lambda: pytest.fail("rebuilt"),
+    )
+    assert again["built_seconds"] is None
+
+
+def test_half_written_sets_are_never_loaded(tmp_path):
+    key = fingerprint({"x": 1})
+    # A crash after the arrays but before the description: the set must be rebuilt.
+    np.save(tmp_path / f"{key}-T-train-values.npy", np.array([666]))
+    arrays, report = load_or_build(
+        str(tmp_path), {"x": 1}, "T", "train", ("values",), lambda: {"values": np.array([1, 2])}
+    )
+    assert arrays["values"].tolist() == [1, 2]
+    assert report["built_seconds"] is not None
+
+
+def test_unwritable_directory_falls_back_with_one_warning(tmp_path):
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("x")
+    with pytest.warns(UserWarning, match="not writable") as caught:
+        arrays, report = load_or_build(
+            str(blocked / "cache"),
+            {"y": 2},
+            "T",
+            "train",
+            ("values",),
+            lambda: {"values": np.array([7])},
+        )
+    assert len(caught) == 1
+    assert arrays["values"].tolist() == [7]
+    assert all("hp-data-index-cache" in f for f in report["files"])
+
+
+def test_a_regenerated_corpus_never_reuses_stale_indices(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    write_with_hp(prefix, random_corpus(1, np.uint16, max_documents=60))
+    config = GPTDatasetConfig(seq_length=16, seed=1, split="1,0,0", cache_dir=str(tmp_path / "c"))
+    first = GPTDataset(prefix, "train", None, config)
+    key_first = first.cache_report["key"]
+    # Same path, same number of sequences, one length changed: a new key, new indices.
+    lengths = first.dataset.sequence_lengths.copy()
+    source = first.dataset
+    with IndexedDatasetBuilder(prefix + "-new", np.uint16) as builder:
+        for i in range(len(source)):
+            tokens = source[i] if i else np.concatenate([source[i], [1, 2, 3]])
+            builder.add_item(tokens)
+            builder.end_document()
+    os.replace(prefix + "-new.bin", prefix + ".bin")
+    os.replace(prefix + "-new.idx", prefix + ".idx")
+    second = GPTDataset(prefix, "train", None, config)
+    assert second.cache_report["key"] != key_first
+    assert second.cache_report["built_seconds"] is not None
+    assert len(second.dataset.sequence_lengths) == len(lengths)
