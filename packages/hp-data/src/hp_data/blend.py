@@ -166,20 +166,25 @@ def build_datasets(
             shares = ["0", "0", "0"]
             shares[SPLITS.index(split)] = "1"
             whole = replace(config, split=",".join(shares))
-            out.append(_build_split(spec, whole, split, size, allow_wrap))
+            out.append(build_split(spec, whole, split, size, allow_wrap))
         return out
     if data_path is None:
         raise HpDataError("give data_path or blend_per_split")
     shares = parse_split(config.split)
     return [
-        _build_split(data_path, config, split, size, allow_wrap) if share > 0 else None
+        build_split(data_path, config, split, size, allow_wrap) if share > 0 else None
         for split, share, size in zip(SPLITS, shares, num_samples, strict=True)
     ]
 
 
-def _build_split(
-    spec: BlendSpec, config: GPTDatasetConfig, split: str, size: int | None, allow_wrap: bool
+def build_split(
+    spec: BlendSpec,
+    config: GPTDatasetConfig,
+    split: str,
+    size: int | None,
+    allow_wrap: bool = False,
 ) -> GPTDataset | BlendableDataset:
+    """One split of `spec`: a GPTDataset for a single prefix, else a weighted blend."""
     prefixes, weights = parse_blend(spec)
     for prefix in prefixes:
         if not os.path.exists(prefix + ".idx"):
@@ -198,3 +203,21 @@ def _build_split(
         for prefix, count in zip(prefixes, buffered, strict=True)
     ]
     return BlendableDataset(datasets, normalized, sum(targets), split, config.cache_dir, allow_wrap)
+
+
+def build_report(datasets: Sequence[GPTDataset | BlendableDataset | None]) -> dict[str, Any]:
+    """Per split: samples, the cache files behind it, and the seconds spent building indices
+    (0 when everything came from the cache)."""
+    report: dict[str, Any] = {}
+    for split, dataset in zip(SPLITS, datasets, strict=True):
+        if dataset is None:
+            continue
+        parts = [dataset, *getattr(dataset, "datasets", [])]
+        reports = [part.cache_report for part in parts]
+        report[split] = {
+            "samples": len(dataset),
+            "files": [f for r in reports for f in r["files"]],
+            "build_seconds": round(sum(r["built_seconds"] or 0.0 for r in reports), 4),
+            "cache_hit": all(r["built_seconds"] is None for r in reports),
+        }
+    return report

@@ -8,9 +8,11 @@ from typing import Any
 
 import click
 
+from hp_data.blend import build_datasets, build_report
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
+from hp_data.gpt import GPTDatasetConfig
 from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
 from hp_data.readers import FORMATS
 from hp_data.summary import format_report, summarize
@@ -233,6 +235,74 @@ def preprocess_command(
         click.echo(json.dumps(summary.as_dict()))
     else:
         click.echo(format_summary(summary))
+
+
+@main.command(name="build-index")
+@click.option(
+    "--data-path",
+    multiple=True,
+    required=True,
+    help="A dataset prefix, or weighted prefixes '0.3 /data/a 0.7 /data/b' "
+    "(quoted, or the option repeated).",
+)
+@click.option("--seq-len", type=click.IntRange(min=2), required=True, help="Sequence length L.")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Random seed.")
+@click.option(
+    "--num-samples",
+    default=None,
+    help="Samples for train[,valid[,test]] [default: one epoch of each split].",
+)
+@click.option(
+    "--split", default="969,30,1", show_default=True, help="Train, valid and test shares."
+)
+@click.option(
+    "--no-extra-token",
+    is_flag=True,
+    help="Samples of L tokens instead of L+1 (Megatron's add_extra_token_to_sequence off).",
+)
+@click.option(
+    "--keep-last-partial-validation",
+    is_flag=True,
+    help="Keep the valid split's last partial sample (padded).",
+)
+@click.option("--cache-dir", required=True, help="Where the index arrays are written.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def build_index(
+    data_path: tuple[str, ...],
+    seq_len: int,
+    seed: int,
+    num_samples: str | None,
+    split: str,
+    no_extra_token: bool,
+    keep_last_partial_validation: bool,
+    cache_dir: str,
+    as_json: bool,
+) -> None:
+    """Build (or find in the cache) the GPT and blend indices of every split ahead of a run."""
+    counts: list[int | None] = [None, None, None]
+    if num_samples:
+        try:
+            values = [int(v) for v in num_samples.split(",")]
+        except ValueError:
+            raise click.UsageError(f"--num-samples {num_samples!r}: give N or N,NV,NT") from None
+        counts[: len(values)] = values
+    config = GPTDatasetConfig(
+        seq_length=seq_len,
+        seed=seed,
+        split=split,
+        add_extra_token=not no_extra_token,
+        drop_last_partial_validation_sequence=not keep_last_partial_validation,
+        cache_dir=cache_dir,
+    )
+    report = build_report(build_datasets(" ".join(data_path), config, counts))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for name, entry in report.items():
+        state = "cached" if entry["cache_hit"] else f"built in {entry['build_seconds']:.3f} s"
+        click.echo(f"{name}: {entry['samples']:,} samples, {state}")
+        for file in entry["files"]:
+            click.echo(f"  {file}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""Config -> dataset, for every dataset type hp trains on; all share GPTDataset's item contract.
+
+- `dummy`: deterministic random tokens per index (no files), for smoke tests and benchmarks.
+- `json_file`: local JSONL file(s) tokenized with a tokenizer.json (by `hp-data preprocess`,
+  once, into the cache) and packed into fixed-length samples by GPTDataset.
+- `hf_datasets`: the same for a saved HF dataset or a local `load_dataset` directory.
+- `megatron`: an existing `.bin`/`.idx` prefix, or a weighted blend of them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hp_data.blend import build_split
+from hp_data.cache import resolve_cache_dir
+from hp_data.errors import HpDataError
+from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.index import SPLITS, parse_split
+from hp_data.preprocess import PreprocessOptions, preprocess
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """One typed config for every dataset type (fields a type does not use are ignored)."""
+
+    type: str
+    seq_length: int
+    path: str | None = None  # prefix or blend spec; JSONL file; HF dataset directory
+    tokenizer: str | None = None  # json_file and hf_datasets
+    split: str = "train"  # which split to return
+    split_shares: str = "969,30,1"  # megatron; tokenized files default to "1,0,0"
+    num_samples: int | None = None  # None: one epoch (dummy: 10,000)
+    seed: int = 1234
+    vocab_size: int = 32000  # dummy
+    text_key: str = "text"
+    eod_token: int | None = None  # megatron: for eod_mask_loss / reset_position_ids
+    input_format: str | None = None  # hf_datasets: "hf-saved" (default detection) or "hf"
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    return_cu_seqlens: bool = False
+    cache_dir: str | None = None
+
+
+class DummyDataset:
+    """`num_samples` samples of uniformly random tokens, the same for the same index and seed."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range for {self.num_samples} samples")
+        rng = np.random.default_rng([self.seed, idx])
+        text = rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": np.ones(self.seq_length, dtype=np.float32),
+            "position_ids": np.arange(self.seq_length, dtype=np.int64),
+        }
+
+
+def _gpt_config(config: DatasetConfig, shares: str, eod: int | None) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        seq_length=config.seq_length,
+        seed=config.seed,
+        split=shares,
+        eod_token=eod,
+        eod_mask_loss=config.eod_mask_loss,
+        reset_position_ids=config.reset_position_ids,
+        return_cu_seqlens=config.return_cu_seqlens,
+        cache_dir=config.cache_dir,
+    )
+
+
+def _split_of(config: DatasetConfig) -> int:
+    if config.split not in SPLITS:
+        raise HpDataError(f"split {config.split!r}: use one of {', '.join(SPLITS)}")
+    return SPLITS.index(config.split)
+
+
+def _require_path(config: DatasetConfig, *, tokenizer: bool = False) -> str:
+    if not config.path:
+        raise HpDataError(f"dataset type {config.type!r} needs a path")
+    if tokenizer and not config.tokenizer:
+        raise HpDataError(f"dataset type {config.type!r} needs a tokenizer (tokenizer.json)")
+    return config.path
+
+
+def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, int]:
+    """Tokenize `config.path` once into the cache (under a lock); the prefix and EOD id."""
+    from hp_data.readers import discover
+    from hp_data.tokenize import TokenizerFiles
+
+    path = _require_path(config, tokenizer=True)
+    if not os.path.exists(path):
+        raise HpDataError(f"{path}: no such file or directory")
+    shards = discover([path], input_format)
+    files = TokenizerFiles.locate(config.tokenizer)  # type: ignore[arg-type]
+    with open(files.tokenizer_json, "rb") as stream:
+        tokenizer_hash = xxhash.xxh3_128_hexdigest(stream.read())
+    key = xxhash.xxh3_128_hexdigest(
+        repr(([s.identity for s in shards], tokenizer_hash, config.text_key)).encode()
+    )
+    directory = os.path.join(resolve_cache_dir(config.cache_dir), "tokenized")
+    os.makedirs(directory, exist_ok=True)
+    prefix = os.path.join(directory, key)
+    with open(prefix + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(prefix + ".idx"):
+            preprocess(
+                [path],
+                prefix,
+                config.tokenizer,
+                PreprocessOptions(  # type: ignore[arg-type]
+                    json_keys=(config.text_key,),
+                    append_eod=True,
+                    input_format=input_format,
+                    show_progress=False,
+                ),
+            )
+    tokenizer = files.load()
+    return prefix, files.special_id(tokenizer, "eos", None)
+
+
+def _dummy(config: DatasetConfig) -> DummyDataset:
+    count = 10_000 if config.num_samples is None else config.num_samples
+    return DummyDataset(count, config.seq_length, config.vocab_size, config.seed)
+
+
+def _json_file(config: DatasetConfig) -> GPTDataset:
+    prefix, eod = _tokenized(config, None)
+    shares = config.split_shares if config.split_shares != "969,30,1" else "1,0,0"
+    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, shares, eod))
+
+
+def _hf_datasets(config: DatasetConfig) -> GPTDataset:
+    prefix, eod = _tokenized(config, config.input_format)
+    shares = config.split_shares if config.split_shares != "969,30,1" else "1,0,0"
+    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, shares, eod))
+
+
+def _megatron(config: DatasetConfig) -> Any:
+    spec = _require_path(config)
+    if parse_split(config.split_shares)[_split_of(config)] == 0:
+        raise HpDataError(f"split {config.split!r} has a zero share in {config.split_shares!r}")
+    gpt_config = _gpt_config(config, config.split_shares, config.eod_token)
+    return build_split(spec, gpt_config, config.split, config.num_samples)
+
+
+DATASET_REGISTRY: dict[str, Callable[[DatasetConfig], Any]] = {
+    "dummy": _dummy,
+    "hf_datasets": _hf_datasets,
+    "json_file": _json_file,
+    "megatron": _megatron,
+}
+
+
+def build_dataset(config: DatasetConfig) -> Any:
+    """The dataset `config` describes; an unknown type lists the valid ones."""
+    try:
+        factory = DATASET_REGISTRY[config.type]
+    except KeyError:
+        raise HpDataError(
+            f"unknown dataset type {config.type!r}; choose one of {', '.join(DATASET_REGISTRY)}"
+        ) from None
+    _split_of(config)
+    return factory(config)
