@@ -7,6 +7,7 @@ from hp_data.format import (
     merge_datasets,
     optimal_dtype,
 )
+from hp_data.index import build_blending_indices, build_sample_index
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,8 @@ __all__ = [
     "IndexedDatasetError",
     "PreprocessError",
     "__version__",
+    "build_blending_indices",
+    "build_sample_index",
     "merge_datasets",
     "optimal_dtype",
 ]

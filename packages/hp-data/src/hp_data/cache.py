@@ -55,12 +55,19 @@ def resolve_cache_dir(directory: str | None) -> str:
 
 
 def _save_atomic(path: str, array: np.ndarray) -> None:
+    # No fsync: a kill cannot tear a renamed file, and a set torn by a power cut fails to
+    # load and is rebuilt (see load_or_build); the cache is cheap to rebuild, slow to sync.
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as stream:
         np.save(stream, np.ascontiguousarray(array), allow_pickle=False)
-        stream.flush()
-        os.fsync(stream.fileno())
     os.replace(tmp, path)
+
+
+def _load(paths: dict[str, str]) -> dict[str, np.ndarray] | None:
+    try:
+        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    except (OSError, ValueError, EOFError):
+        return None
 
 
 def load_or_build(
@@ -82,10 +89,12 @@ def load_or_build(
     paths = {name: f"{base}-{name}.npy" for name in names}
     marker = f"{base}-description.json"
     built_seconds = None
-    if not os.path.exists(marker):
+    loaded = _load(paths) if os.path.exists(marker) else None
+    if loaded is None:
         with open(f"{base}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this key
-            if not os.path.exists(marker):
+            loaded = _load(paths) if os.path.exists(marker) else None
+            if loaded is None:
                 start = time.perf_counter()
                 arrays = build()
                 built_seconds = time.perf_counter() - start
@@ -101,7 +110,9 @@ def load_or_build(
                         default=str,
                     )
                 os.replace(tmp, marker)
-    loaded = {name: np.load(paths[name], mmap_mode="r") for name in names}
+                loaded = _load(paths)
+    if loaded is None:
+        raise OSError(f"{base}-*.npy: written but unreadable; remove them and retry")
     report = {
         "key": key,
         "files": [*paths.values(), marker],

@@ -51,10 +51,7 @@ def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:
 def _hash_array(array: np.ndarray) -> str:
     import xxhash
 
-    digest = xxhash.xxh3_128()
-    for start in range(0, len(array), 1 << 24):
-        digest.update(np.ascontiguousarray(array[start : start + (1 << 24)]).tobytes())
-    return digest.hexdigest()
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 class GPTDataset:
@@ -85,7 +82,7 @@ class GPTDataset:
         span = ranges[SPLITS.index(split)]
         if span is None:
             raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
-        self.documents = np.arange(span[0], span[1], dtype=np.int64)
+        self.split_range = span  # the sequences [begin, end) this split draws from
         drop_last = split != "valid" or config.drop_last_partial_validation_sequence
         description = {
             "corpus": corpus_fingerprint(self.dataset),
@@ -102,7 +99,7 @@ class GPTDataset:
             try:
                 document, sample, shuffle = build_gpt_indices(
                     self.dataset.sequence_lengths,
-                    self.documents,
+                    np.arange(span[0], span[1], dtype=np.int64),
                     config.seq_length,
                     num_samples,
                     config.seed,
@@ -125,6 +122,10 @@ class GPTDataset:
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
         self._extra = int(config.add_extra_token)
+        # Plain-ndarray views of the maps: scalar reads skip the memmap subclass machinery.
+        self._documents_view = self.document_index.view(np.ndarray)
+        self._samples_view = self.sample_index.view(np.ndarray)
+        self._shuffle_view = self.shuffle_index.view(np.ndarray)
 
     def __len__(self) -> int:
         return len(self.sample_index) - 1
@@ -135,23 +136,25 @@ class GPTDataset:
         length = self.config.seq_length + self._extra
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
-        row = int(self.shuffle_index[idx])
-        first, first_offset = (int(v) for v in self.sample_index[row])
-        last, last_offset = (int(v) for v in self.sample_index[row + 1])
-        out = np.full(length, self.config.pad_token, dtype=np.int64)
+        row = self._shuffle_view.item(idx)
+        first, first_offset = self._samples_view.item(row, 0), self._samples_view.item(row, 1)
+        last, last_offset = self._samples_view.item(row + 1, 0), self._samples_view.item(row + 1, 1)
+        out = np.empty(length, dtype=np.int64)
+        lengths, documents = self.dataset.sequence_lengths, self._documents_view
         ends = []
         filled = 0
         for position in range(first, last + 1):
-            sequence = int(self.document_index[position])
+            sequence = documents.item(position)
             offset = first_offset if position == first else 0
             if position == last:
                 count = last_offset + self._extra - offset
             else:
-                count = int(self.dataset.sequence_lengths[sequence]) - offset
+                count = lengths.item(sequence) - offset
             part = self.dataset.get(sequence, offset, count)
             out[filled : filled + len(part)] = part
             filled += len(part)
             ends.append(filled)
+        out[filled:] = self.config.pad_token
         return out, np.array(ends, dtype=np.int64)
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
@@ -174,9 +177,10 @@ class GPTDataset:
                 starts = np.zeros(length, dtype=np.int64)
                 starts[eods[eods + 1 < length] + 1] = eods[eods + 1 < length] + 1
                 position_ids -= np.maximum.accumulate(starts)
-        loss_mask[labels == config.pad_token] = 0.0
-        tokens[tokens == config.pad_token] = 0
-        labels[labels == config.pad_token] = 0
+        if not self._extra or ends[-1] < len(text):  # else no label or token is the pad
+            loss_mask[labels == config.pad_token] = 0.0
+            tokens[tokens == config.pad_token] = 0
+            labels[labels == config.pad_token] = 0
         item = {
             "tokens": tokens,
             "labels": labels,

@@ -3,15 +3,16 @@
 Each reproduces megatron-core 0.16 exactly (document, sample and shuffle indices from one
 `numpy.random.RandomState` used in Megatron's order; the blending rule of
 `helpers_cpp.build_blending_indices`) and returns int64 wherever a count can pass 2^31.
-The sample index is vectorised (a cumulative sum and `searchsorted`); the blending loop,
-sequential by nature, is compiled by numba on first use, never at import.
+The two loops (the sample index, a merge of documents and sample boundaries; the blending
+rule, sequential by nature) are compiled by numba on first use and cached, never at import.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,8 @@ def build_sample_index(
 
     Sample k spans flat tokens [k L, (k+1) L + extra) of the documents laid end to end in
     `document_index` order; its end is recorded in the document that holds its last token.
+    One merge-like pass over documents and samples (numba); numpy's cumsum + searchsorted
+    gives the same numbers but, in several passes, ran 3x slower than megatron's C++ loop.
     """
     if seq_length <= 1 or num_epochs <= 0:
         raise IndexBuildError(
@@ -149,21 +152,11 @@ def build_sample_index(
     count = num_samples_in(
         num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra
     )
-    lengths = np.asarray(sizes)[np.asarray(document_index)].astype(np.int64)
-    ends = np.cumsum(lengths)
-    total = int(ends[-1]) if len(ends) else 0
-    boundaries = np.arange(1, count + 1, dtype=np.int64) * seq_length
-    last_tokens = boundaries + (extra - 1)
-    position = np.searchsorted(ends, last_tokens, side="right")
-    beyond = last_tokens >= total  # the kept partial sample runs out of documents
-    position[beyond] = len(lengths) - 1
-    offset = boundaries - (ends[position] - lengths[position])
-    if beyond.any():
-        offset[beyond] = int(np.asarray(sizes)[document_index[-1]]) - extra
     index = np.empty((count + 1, 2), dtype=np.int64)
     index[0] = 0
-    index[1:, 0] = position
-    index[1:, 1] = offset
+    _kernel(_sample_index_loop)(
+        np.asarray(sizes), np.asarray(document_index), seq_length, extra, count, index
+    )
     return index
 
 
@@ -218,33 +211,54 @@ def build_gpt_indices(
 
 # -- blending -------------------------------------------------------------------------------
 
-_blend_kernel = None
+_kernels: dict[Any, Any] = {}
 
 
-def _compiled_blend():
-    """The blending loop, compiled by numba the first time it is needed (cached on disk)."""
-    global _blend_kernel
-    if _blend_kernel is None:
+def _kernel(function: Callable[..., None]) -> Callable[..., None]:
+    """`function` compiled by numba the first time it is needed (and cached on disk)."""
+    if function not in _kernels:
         import numba
 
-        @numba.njit(cache=True, nogil=True)
-        def blend(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover
-            counts = np.zeros(len(weights), dtype=np.int64)
-            for i in range(size):
-                scale = max(float(i), 1.0)
-                best = 0
-                best_error = weights[0] * scale - float(counts[0])
-                for k in range(1, len(weights)):
-                    error = weights[k] * scale - float(counts[k])
-                    if error > best_error:
-                        best_error = error
-                        best = k
-                dataset_index[i] = best
-                dataset_sample_index[i] = counts[best]
-                counts[best] += 1
+        _kernels[function] = numba.njit(cache=True, nogil=True)(function)
+    return _kernels[function]
 
-        _blend_kernel = blend
-    return _blend_kernel
+
+def _sample_index_loop(sizes, document_index, seq_length, extra, count, out):  # pragma: no cover
+    k = 1
+    start = 0  # flat position of the current document's first token
+    for position in range(len(document_index)):
+        if k > count:
+            break
+        end = start + sizes[document_index[position]]
+        # Sample k ends here when its last token, k L + extra - 1, lies before `end`.
+        while k <= count and k * seq_length + extra <= end:
+            out[k, 0] = position
+            out[k, 1] = k * seq_length - start
+            k += 1
+        start = end
+    if k <= count:  # a kept partial sample runs out of documents: megatron's end marker
+        last = sizes[document_index[len(document_index) - 1]] - extra
+        while k <= count:
+            out[k, 0] = len(document_index) - 1
+            out[k, 1] = last
+            k += 1
+
+
+def _blend_loop(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover
+    # Counts kept as float64 (exact below 2^53) spare a conversion per comparison.
+    counts = np.zeros(len(weights), dtype=np.float64)
+    for i in range(size):
+        scale = max(float(i), 1.0)
+        best = 0
+        best_error = weights[0] * scale - counts[0]
+        for k in range(1, len(weights)):
+            error = weights[k] * scale - counts[k]
+            if error > best_error:
+                best_error = error
+                best = k
+        dataset_index[i] = best
+        dataset_sample_index[i] = np.int64(counts[best])
+        counts[best] += 1.0
 
 
 def build_blending_indices(
@@ -262,5 +276,5 @@ def build_blending_indices(
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
     if size:
-        _compiled_blend()(weights_array, size, dataset_index, dataset_sample_index)
+        _kernel(_blend_loop)(weights_array, size, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index

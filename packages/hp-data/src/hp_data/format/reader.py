@@ -12,7 +12,6 @@ from hp_data.errors import IndexedDatasetError, open_input
 from hp_data.format.header import (
     IndexLayout,
     bin_path,
-    drop_pages,
     idx_path,
     map_file,
     map_index_arrays,
@@ -78,7 +77,6 @@ class IndexedDataset:
         for problem in problems:
             self.close()
             raise IndexedDatasetError(problem)
-        drop_pages(self._lengths)  # the check touched every page of the index
         bin_map = map_file(self._bin_file, bin_size) if self.mmap else None
         self._bin_view = memoryview(bin_map) if bin_map is not None else None
 

@@ -48,24 +48,31 @@ def _index_problems(
     negative, first_negative = 0, -1
     bad_pointers, first_bad_pointer = 0, (-1, 0, 0)
     running = 0  # byte pointer the next sequence must start at
+    ends = np.empty(CHUNK, dtype=np.int64)  # reused: byte ends of the chunk's sequences
     for start in range(0, sequence_count, CHUNK):
-        chunk_lengths = lengths[start : start + CHUNK].astype(np.int64)
-        below = chunk_lengths < 0
-        if below.any():
+        chunk_lengths = lengths[start : start + CHUNK]
+        count = len(chunk_lengths)
+        if chunk_lengths.min() < 0:  # rare: count them, then carry on with the pointers
+            below = chunk_lengths < 0
             if negative == 0:
                 first_negative = start + _first(below)
             negative += int(below.sum())
-        expected = np.empty(len(chunk_lengths), dtype=np.int64)
-        expected[0] = running
-        np.cumsum(chunk_lengths[:-1] * itemsize, out=expected[1:])
-        expected[1:] += running
-        wrong = pointers[start : start + CHUNK] != expected
-        if wrong.any():
+        chunk_ends = ends[:count]
+        np.cumsum(chunk_lengths, dtype=np.int64, out=chunk_ends)
+        chunk_ends *= itemsize
+        chunk_ends += running
+        chunk_pointers = pointers[start : start + count]
+        # Sequence i must start where sequence i - 1 ends; the first where the last chunk did.
+        if chunk_pointers[0] != running or not np.array_equal(
+            chunk_pointers[1:], chunk_ends[:-1]
+        ):
+            expected = np.concatenate(([running], chunk_ends[:-1]))
+            wrong = chunk_pointers != expected
             if bad_pointers == 0:
                 at = _first(wrong)
-                first_bad_pointer = (start + at, int(pointers[start + at]), int(expected[at]))
+                first_bad_pointer = (start + at, int(chunk_pointers[at]), int(expected[at]))
             bad_pointers += int(wrong.sum())
-        running = int(expected[-1]) + int(chunk_lengths[-1]) * itemsize
+        running = int(chunk_ends[-1])
     if negative:
         yield (
             f"{negative} sequence length(s) are negative "
