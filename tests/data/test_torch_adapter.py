@@ -178,3 +178,15 @@ def test_adapter_imports_without_torch_and_says_why_it_fails():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_collate_keeps_per_sample_scalars_beside_packed_cu_seqlens():
+    """A blend's items carry an int `dataset_id` first; packing must not mistake it for L."""
+    items = [
+        {"dataset_id": 1, "tokens": np.arange(4), "cu_seqlens": np.array([0, 2, 4], np.int32)},
+        {"dataset_id": 0, "tokens": np.arange(4), "cu_seqlens": np.array([0, 4], np.int32)},
+    ]
+    out = collate(items)
+    assert out["dataset_id"].tolist() == [1, 0]
+    assert out["cu_seqlens"].tolist() == [0, 2, 4, 8]
+    assert out["max_seqlen"] == 4

@@ -108,9 +108,10 @@ def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
     if VARLEN_FIELD not in keys:
         return out
-    if not out:
+    sequences = [value for value in out.values() if value.ndim == 2]
+    if not sequences:
         raise ValueError("cu_seqlens needs a fixed-length field (tokens) to know the length L")
-    length = next(iter(out.values())).shape[1]
+    length = sequences[0].shape[1]  # per-sample scalars such as a blend's dataset_id are 1-D
     parts = []
     for i, item in enumerate(batch):
         cu = _to_tensor(item[VARLEN_FIELD]).to(torch.int64)

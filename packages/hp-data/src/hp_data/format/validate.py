@@ -63,9 +63,7 @@ def _index_problems(
         chunk_ends += running
         chunk_pointers = pointers[start : start + count]
         # Sequence i must start where sequence i - 1 ends; the first where the last chunk did.
-        if chunk_pointers[0] != running or not np.array_equal(
-            chunk_pointers[1:], chunk_ends[:-1]
-        ):
+        if chunk_pointers[0] != running or not np.array_equal(chunk_pointers[1:], chunk_ends[:-1]):
             expected = np.concatenate(([running], chunk_ends[:-1]))
             wrong = chunk_pointers != expected
             if bad_pointers == 0:
