@@ -11,36 +11,17 @@ from hp_data.blend import BlendableDataset, build_datasets, parse_blend, sizes_p
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
+from tests.helpers.megatron import build_megatron
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    mcore_gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-    mcore_builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-
-
-class _Tokenizer:
-    def __init__(self) -> None:
-        self.vocab_size, self.eod = 65536, 0
-        self.unique_identifiers = {"class": "Tokenizer"}
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
 
 
 def _megatron(sizes, seq_length, seed, split=None, blend=None, blend_per_split=None):
-    config = mcore_gpt.GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=split,
-        path_to_cache=None,
-        tokenizer=_Tokenizer(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+    return build_megatron(
+        sizes, seq_length, seed, split=split, blend=blend, blend_per_split=blend_per_split
     )
-    return mcore_builder.BlendedMegatronDatasetBuilder(
-        mcore_gpt.GPTDataset, sizes, lambda: True, config
-    ).build()
 
 
 @pytest.fixture

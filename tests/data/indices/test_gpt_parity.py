@@ -10,19 +10,11 @@ from hp_data import IndexedDataset
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
+from tests.helpers.megatron import build_megatron
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    mcore_gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-    mcore_builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-
-
-class _Tokenizer:
-    """The two attributes megatron-core's GPTDataset reads from a tokenizer."""
-
-    def __init__(self, vocab_size: int, eod: int) -> None:
-        self.vocab_size, self.eod = vocab_size, eod
-        self.unique_identifiers = {"class": "Tokenizer", "eod": eod}
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
 
 
 def _megatron(
@@ -38,23 +30,19 @@ def _megatron(
     eod_mask_loss=False,
     reset_position_ids=False,
 ):
-    config = mcore_gpt.GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
+    return build_megatron(
+        sizes,
+        seq_length,
+        seed,
         blend=([prefix], None),
         split=split,
-        path_to_cache=str(cache),
-        tokenizer=_Tokenizer(65536, eod),
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=False,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=False,
+        cache=str(cache),
+        eod=eod,
         add_extra_token_to_sequence=extra,
         drop_last_partial_validation_sequence=drop_last_valid,
+        eod_mask_loss=eod_mask_loss,
+        reset_position_ids=reset_position_ids,
     )
-    return mcore_builder.BlendedMegatronDatasetBuilder(
-        mcore_gpt.GPTDataset, sizes, lambda: True, config
-    ).build()
 
 
 def _corpus(tmp_path, seed, dtype):
