@@ -1,0 +1,107 @@
+"""The model's shape: a typed config with presets, its parameter count and FLOPs per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder. `ffn_hidden` is the SwiGLU inner width."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 172
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rotary")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameters, counting a tied embedding once."""
+        kv = self.n_kv_heads * self.head_dim
+        attention = self.dim * self.dim * 2 + 2 * self.dim * kv  # wq, wo, wk, wv
+        mlp = 3 * self.dim * self.ffn_hidden
+        block = attention + mlp + 2 * self.dim  # two RMSNorm weights
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        total = self.n_layers * block + self.dim + embeddings  # + final norm
+        if not include_embeddings:
+            total -= self.vocab_size * self.dim
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 N (without the input embedding lookup) plus attention's
+        12 · layers · dim · seq_len (forward and backward), as in the PaLM/Megatron estimates."""
+        return (
+            6 * self.num_params(include_embeddings=False) + 12 * self.n_layers * self.dim * seq_len
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "small": ModelConfig(
+        vocab_size=32000,
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=688,
+        max_seq_len=1024,
+    ),
+    "125m": ModelConfig(
+        vocab_size=32000,
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        ffn_hidden=2048,
+        max_seq_len=2048,
+    ),
+    "1b": ModelConfig(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "8b": ModelConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def preset(name: str, **overrides: object) -> ModelConfig:
+    """A preset by name, with fields overridden."""
+    try:
+        return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

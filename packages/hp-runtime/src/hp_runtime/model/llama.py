@@ -1,0 +1,189 @@
+"""A Llama-style decoder in plain torch. It knows nothing about parallelism: TP, FSDP and PP
+plans live in `hp_runtime.parallel` and act on the module names used here."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_runtime.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin for every position up to max_seq_len, stacked: (2, max_seq_len, head_dim/2)."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, device=device).float() / half))
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()))
+
+
+def apply_rotary(x: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of x (b, s, heads, head_dim) by position."""
+    cos = tables[0][positions].unsqueeze(2)  # (b, s, 1, half)
+    sin = tables[1][positions].unsqueeze(2)
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention. Head counts come from the weights' local shapes, so the same
+    code runs with the heads split across tensor-parallel ranks."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        tables: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
+        repeat = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        tables: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), tables, positions, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """A causal mask that also keeps attention inside documents, read from position ids that
+    restart at 0 at each document start: (b, 1, s, s) boolean, True = attend."""
+    starts = (position_ids == 0).cumsum(dim=-1)  # document number of each token
+    same = starts.unsqueeze(-1) == starts.unsqueeze(-2)
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+class Transformer(nn.Module):
+    """Embedding, blocks, final norm, output head. Layers sit in a ModuleDict keyed by their
+    index, so a pipeline stage can drop the ones it does not own and keep the names."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rotary", rotary_tables(config), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head, when asked. `to_empty` and `parallelize_module`
+        replace parameters one module at a time, which unties them: call this again after."""
+        if (
+            self.config.tie_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_masking: bool = False,
+    ) -> torch.Tensor:
+        if position_ids is None:
+            seq = tokens.shape[-1]
+            position_ids = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+        mask = document_mask(position_ids) if document_masking else None
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rotary, position_ids, mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter from its own generator, seeded by `seed` and its name.
+
+    Each rank draws the *full* tensor and keeps its local shard, so the full parameters are
+    the same whatever the layout (FSDP, TP, PP or one process), which is what makes the
+    parallel runs comparable with a single process. Buffers are recomputed.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # materialising on a device unties them
+    for name, param in model.named_parameters():
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            full = torch.ones(param.shape)
+        else:
+            std = config.init_std
+            if name.endswith(("wo.weight", "w2.weight")):
+                std = std / (2 * config.n_layers) ** 0.5  # residual projections, GPT-2 style
+            full = torch.randn(param.shape, generator=generator) * std
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+    if hasattr(model, "rotary"):
+        model.rotary = rotary_tables(config, device=model.rotary.device)  # type: ignore[assignment]

@@ -1,0 +1,27 @@
+"""The order the parallel dimensions are applied in, in one place: TP, then AC, then FSDP."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_runtime.parallel.fsdp import apply_fsdp
+from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.tp import apply_tp
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device_type: str = "cpu",
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Apply tensor parallel, then FSDP/HSDP, to a model still on the meta device."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], loss_parallel)
+    if dims.dp_shard > 1 or dims.dp_replicate > 1:
+        hsdp = dims.dp_replicate > 1
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, device_type)
+    return model
