@@ -52,12 +52,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
         errors = []
         try:
             for _ in range(world):
-                rank, status, value = results.get(timeout=timeout)
+                # One failing rank makes its peers fail too (connection reset): collect every
+                # report, so the root cause is in the message, not just the first to arrive.
+                rank, status, value = results.get(timeout=timeout if not errors else 20)
                 if status == "ok":
                     out[rank] = value
                 else:
                     errors.append(f"rank {rank} failed:\n{value}")
-                    break
         except queue.Empty:  # a rank hung, or died without a word
             errors.append(f"timed out after {timeout} s; finished ranks: {sorted(out)}")
         finally:

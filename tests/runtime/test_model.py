@@ -71,6 +71,7 @@ def test_document_masking_keeps_attention_inside_documents():
         (ParallelDims(tp=4), 4, "n_kv_heads=2 is not divisible by tp=4"),
         (ParallelDims(pp=3), 3, "n_layers=2 is fewer than pp=3 stages"),
         (ParallelDims(dp_shard=0), 0, "dp_shard=0 must be at least 1"),
+        (ParallelDims(tp=2, pp=2), 4, "tp > 1 together with pp > 1 is not supported yet"),
     ],
 )
 def test_parallel_dims_explain_what_does_not_fit(dims, world, message):
@@ -83,3 +84,16 @@ def test_config_checks():
         ModelConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         preset("huge")
+
+
+def test_pipeline_splits_and_micro_batches_are_checked():
+    from hp_runtime.parallel.pp import layers_per_stage, pipeline_step
+
+    assert layers_per_stage(7, 3) == [3, 2, 2]
+    assert layers_per_stage(4, 2, [1, 3]) == [1, 3]
+    with pytest.raises(ValueError, match="must be 2 positive counts adding up to 4"):
+        layers_per_stage(4, 2, [2, 3])
+    with pytest.raises(ValueError, match="fewer than the 4 pipeline stages"):
+        layers_per_stage(2, 4)
+    with pytest.raises(ValueError, match="a batch of 3 does not divide into 2 micro-batches"):
+        pipeline_step(None, [0], 2, torch.zeros(3, 8), torch.zeros(3, 8), 2)  # type: ignore[arg-type]

@@ -57,13 +57,15 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         tables: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, seq = x.shape[:2]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if positions is None:  # counted here, where the sequence is whole (after SP gathers)
+            positions = torch.arange(seq, device=x.device).expand(batch, seq)
         q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
         repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
@@ -100,7 +102,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         tables: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), tables, positions, mask)
@@ -147,9 +149,8 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_masking: bool = False,
     ) -> torch.Tensor:
-        if position_ids is None:
-            seq = tokens.shape[-1]
-            position_ids = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+        if document_masking and position_ids is None:
+            raise ValueError("document_masking needs position_ids (restarting at 0 per document)")
         mask = document_mask(position_ids) if document_masking else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -173,6 +174,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
         model.tie_weights()  # materialising on a device unties them
     for name, param in model.named_parameters():
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if config.tie_embeddings and name == "output.weight":
+            # A pipeline's last stage holds the tied head without the embedding: same tensor.
+            generator.manual_seed(seed * 1_000_003 + zlib.crc32(b"tok_embeddings.weight"))
         if name.endswith("norm.weight"):
             full = torch.ones(param.shape)
         else:

@@ -1,0 +1,121 @@
+"""Pipeline parallel with torch.distributed.pipelining: split by layers, build the schedule.
+
+Every stage is the whole Transformer built on meta with the layers it does not own deleted
+(the embedding kept on the first stage, norm and head on the last), so parameter names stay
+those of the full model. With `virtual_stages` v > 1 a rank holds v stages, rank r owning
+stages r, r + pp, r + 2 pp, ... (the interleaved layout).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def layers_per_stage(n_layers: int, stages: int, counts: list[int] | None = None) -> list[int]:
+    """Layers of each stage: `counts` as given (checked), else as even as possible, earlier
+    stages taking the remainder."""
+    if counts is not None:
+        if len(counts) != stages or sum(counts) != n_layers or min(counts) < 1:
+            raise ValueError(
+                f"layers per stage {counts} must be {stages} positive counts adding up to "
+                f"{n_layers}"
+            )
+        return counts
+    if n_layers < stages:
+        raise ValueError(f"n_layers={n_layers} is fewer than the {stages} pipeline stages")
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def stage_modules(
+    model: nn.Module,
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int = 1,
+    counts: list[int] | None = None,
+) -> list[tuple[int, nn.Module]]:
+    """(stage id, module) for each stage this rank owns, cut from a model on meta."""
+    total = pp_size * virtual_stages
+    sizes = layers_per_stage(len(model.layers), total, counts)
+    starts = [sum(sizes[:i]) for i in range(total)]
+    owned = []
+    for stage in range(pp_rank, total, pp_size):
+        module = copy.deepcopy(model) if virtual_stages > 1 else model
+        keep = {str(i) for i in range(starts[stage], starts[stage] + sizes[stage])}
+        for name in list(module.layers):
+            if name not in keep:
+                del module.layers[name]
+        if stage != 0:
+            module.tok_embeddings = None
+        if stage != total - 1:
+            module.norm = None
+            module.output = None
+        owned.append((stage, module))
+    return owned
+
+
+def build_schedule(
+    stages: list[tuple[int, nn.Module]],
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The pipeline schedule over this rank's stages."""
+    try:
+        kind = SCHEDULES[schedule]
+    except KeyError:
+        raise ValueError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}") from None
+    total = pp_mesh.size() * len(stages)
+    pipeline_stages = [
+        PipelineStage(module, stage, total, device, group=pp_mesh.get_group())
+        for stage, module in stages
+    ]
+    if issubclass(kind, PipelineScheduleMulti):
+        return kind(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    if len(pipeline_stages) != 1:
+        raise ValueError(f"schedule {schedule!r} takes one stage per rank; use interleaved1f1b")
+    return kind(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def pipeline_step(
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti,
+    stage_ids: list[int],
+    total_stages: int,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    microbatches: int,
+) -> torch.Tensor | None:
+    """Run forward and backward of one batch; the mean micro-batch loss on the last stage."""
+    if inputs.shape[0] % microbatches:
+        raise ValueError(
+            f"a batch of {inputs.shape[0]} does not divide into {microbatches} micro-batches"
+        )
+    losses: list[torch.Tensor] = []
+    if 0 in stage_ids:
+        schedule.step(inputs, target=targets, losses=losses)
+    elif total_stages - 1 in stage_ids:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return torch.stack(losses).mean() if losses else None
