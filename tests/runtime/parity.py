@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hp_runtime.model import Transformer, init_weights, preset
+from hp_runtime.model import Transformer, canonical_name, init_weights, preset
 from hp_runtime.parallel import ParallelDims, parallelize
 from hp_runtime.parallel.clip import clip_grad_norm
 from hp_runtime.parallel.pp import build_schedule, pipeline_step, stage_modules
@@ -59,7 +59,7 @@ def train(
             pp_group = mesh["pp"].get_group()
             first_rank = int(mesh["pp"].mesh[0])
         for _, module in stages:
-            parallelize(module, layout, mesh)
+            parallelize(module, layout, mesh, activation_checkpointing=pipeline.get("ac"))
     else:
         dp_rank, dp_size = 0, 1
     for _, module in stages:
@@ -115,5 +115,7 @@ def train(
     for _, module in stages:
         for name, param in module.named_parameters():
             value = param.full_tensor() if hasattr(param, "full_tensor") else param
-            full[name] = value.detach().numpy().copy()  # numpy: crosses process boundaries
+            full[canonical_name(name)] = (
+                value.detach().numpy().copy()
+            )  # numpy: crosses process boundaries
     return {"losses": losses, "norms": norms, "params": full}

@@ -24,6 +24,8 @@ LAYOUTS = {
     "tp2-tied": (2, {"tp": 2}, TIED, None),
     "fsdp2-tied": (2, {"dp_shard": 2}, TIED, None),
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, {}, None),
+    "fsdp2-ac-full": (2, {"dp_shard": 2}, {}, {"ac": "full"}),
+    "tp2-ac-selective": (2, {"tp": 2}, {"n_layers": 4}, {"ac": "selective"}),
     "pp2-gpipe": (2, {"pp": 2}, {}, {"schedule": "gpipe"}),
     "pp2-1f1b": (2, {"pp": 2}, {}, {"schedule": "1f1b"}),
     "pp2-interleaved": (

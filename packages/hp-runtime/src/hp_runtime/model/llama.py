@@ -159,6 +159,17 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model, without activation-checkpoint or compile
+    wrappers, so seeds and comparisons see the same names in every layout."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
     """Initialise every parameter from its own generator, seeded by `seed` and its name.
@@ -172,7 +183,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     config: ModelConfig = model.config  # type: ignore[assignment]
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # materialising on a device unties them
-    for name, param in model.named_parameters():
+    for wrapped_name, param in model.named_parameters():
+        name = canonical_name(wrapped_name)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if config.tie_embeddings and name == "output.weight":
             # A pipeline's last stage holds the tied head without the embedding: same tensor.
