@@ -59,7 +59,13 @@ def train(
             pp_group = mesh["pp"].get_group()
             first_rank = int(mesh["pp"].mesh[0])
         for _, module in stages:
-            parallelize(module, layout, mesh, activation_checkpointing=pipeline.get("ac"))
+            parallelize(
+                module,
+                layout,
+                mesh,
+                activation_checkpointing=pipeline.get("ac"),
+                compile_blocks=pipeline.get("compile", False),
+            )
     else:
         dp_rank, dp_size = 0, 1
     for _, module in stages:

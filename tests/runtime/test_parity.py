@@ -26,6 +26,7 @@ LAYOUTS = {
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, {}, None),
     "fsdp2-ac-full": (2, {"dp_shard": 2}, {}, {"ac": "full"}),
     "tp2-ac-selective": (2, {"tp": 2}, {"n_layers": 4}, {"ac": "selective"}),
+    "fsdp2-compile": (2, {"dp_shard": 2}, {}, {"compile": True}),
     "pp2-gpipe": (2, {"pp": 2}, {}, {"schedule": "gpipe"}),
     "pp2-1f1b": (2, {"pp": 2}, {}, {"schedule": "1f1b"}),
     "pp2-interleaved": (
