@@ -6,12 +6,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from hp_runtime.model import Transformer, canonical_name, init_weights, preset
 from hp_runtime.parallel import ParallelDims, parallelize
 from hp_runtime.parallel.clip import clip_grad_norm
 from hp_runtime.parallel.pp import build_schedule, pipeline_step, stage_modules
-from hp_runtime.parallel.tied import broadcast_tied, sync_tied_grads, tied_group, tied_weight
+from hp_runtime.parallel.tied import broadcast_tied, stage_groups, sync_tied_grads, tied_weight
 
 STEPS = 10
 BATCH = 4
@@ -56,13 +57,14 @@ def train(
             virtual = pipeline.get("virtual_stages", 1)
             total_stages = layout.pp * virtual
             stages = stage_modules(model, mesh["pp"].get_local_rank(), layout.pp, virtual)
-            pp_group = mesh["pp"].get_group()
+            pp_group, group = stage_groups(mesh)
             first_rank = int(mesh["pp"].mesh[0])
         for _, module in stages:
             parallelize(
                 module,
                 layout,
                 mesh,
+                loss_parallel=pipeline.get("loss_parallel", False),
                 activation_checkpointing=pipeline.get("ac"),
                 compile_blocks=pipeline.get("compile", False),
             )
@@ -72,7 +74,6 @@ def train(
         module.to_empty(device="cpu")
         init_weights(module, seed=7)
     if layout.pp > 1 and config.tie_embeddings:
-        group = tied_group(mesh)
         tied = tied_weight(stages)
         broadcast_tied(tied, group, first_rank)
     params = [p for _, module in stages for p in module.parameters()]
@@ -94,7 +95,12 @@ def train(
     losses, norms = [], []
     for data in batches(config.vocab_size):
         local = data.chunk(dp_size)[dp_rank]
-        if schedule is None:
+        if schedule is None and pipeline.get("loss_parallel"):
+            # Logits stay sharded over the vocabulary; the loss is computed on the shards.
+            with torch.distributed.tensor.parallel.loss_parallel():
+                loss = loss_fn(model(local[:, :-1]), local[:, 1:])
+                loss.backward()
+        elif schedule is None:
             loss = loss_fn(model(local[:, :-1]), local[:, 1:])
             loss.backward()
         else:
@@ -112,6 +118,8 @@ def train(
         norms.append(float(clip_grad_norm(params, MAX_NORM, pp_group, skip=last_copy)))
         opt.step()
         opt.zero_grad()
+        if loss is not None and hasattr(loss, "full_tensor"):  # loss_parallel gives a DTensor
+            loss = loss.full_tensor()
         reported = loss.detach().clone() if loss is not None else torch.zeros(())
         if dims is not None:  # mean over data-parallel lines; tp copies and pp stages counted once
             dist.all_reduce(reported)

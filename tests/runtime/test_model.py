@@ -71,7 +71,6 @@ def test_document_masking_keeps_attention_inside_documents():
         (ParallelDims(tp=4), 4, "n_kv_heads=2 is not divisible by tp=4"),
         (ParallelDims(pp=3), 3, "n_layers=2 is fewer than pp=3 stages"),
         (ParallelDims(dp_shard=0), 0, "dp_shard=0 must be at least 1"),
-        (ParallelDims(tp=2, pp=2), 4, "tp > 1 together with pp > 1 is not supported yet"),
     ],
 )
 def test_parallel_dims_explain_what_does_not_fit(dims, world, message):

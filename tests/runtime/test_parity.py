@@ -22,6 +22,7 @@ LAYOUTS = {
     "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, {}, None),
     "tp2": (2, {"tp": 2}, {}, None),
     "tp2-tied": (2, {"tp": 2}, TIED, None),
+    "tp2-loss-parallel": (2, {"tp": 2}, {}, {"loss_parallel": True}),
     "fsdp2-tied": (2, {"dp_shard": 2}, TIED, None),
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, {}, None),
     "fsdp2-ac-full": (2, {"dp_shard": 2}, {}, {"ac": "full"}),
@@ -37,6 +38,7 @@ LAYOUTS = {
     ),
     "pp2-tied": (2, {"pp": 2}, TIED, {"schedule": "1f1b"}),
     "fsdp2xpp2-tied": (4, {"dp_shard": 2, "pp": 2}, TIED, {"schedule": "1f1b"}),
+    "tp2xpp2-tied": (4, {"tp": 2, "pp": 2}, TIED, {"schedule": "gpipe"}),
 }
 
 _single: dict[str, dict] = {}

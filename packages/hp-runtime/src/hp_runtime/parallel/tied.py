@@ -4,8 +4,9 @@ The first stage owns the embedding, the last the head that shares its weight. Ea
 own copy; they start equal (broadcast from the first stage) and stay equal because, after
 backward, their gradients are summed over a group of exactly the two stages before the
 optimizer step. With FSDP the local shards are summed (both are sharded alike over the same
-data-parallel ranks); with TP likewise. Every data-parallel/TP line has its own group; all
-ranks create all groups in the same order, so nobody deadlocks.
+data-parallel ranks); with TP likewise. Every data-parallel/TP line has its own group (not the
+pipeline's: see `stage_groups`); all ranks create all groups in the same order, so nobody
+deadlocks.
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def tied_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The group of this rank's first and last pipeline stage (same dp/tp coordinates)."""
+def stage_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(all stages, first and last stage) of this rank's pipeline line, as new groups.
+
+    New groups rather than the pipeline's own: a schedule can return from a step with
+    point-to-point sends still in flight on its group, and a collective on that same group
+    would be matched against them. Every rank creates every line's groups in the same order.
+    """
     pp = mesh["pp"].size()
-    if pp == 2:
-        return mesh["pp"].get_group()  # the pipeline group already spans exactly the pair
-    ranks = mesh.mesh  # shape (pp, dp_replicate, dp_shard, tp)
-    mine = None
-    for line in ranks.reshape(pp, -1).T.tolist():
-        group = dist.new_group([line[0], line[-1]])
-        if dist.get_rank() in (line[0], line[-1]):
-            mine = group
-    return mine  # type: ignore[return-value]
+    lines = mesh.mesh.reshape(pp, -1).T.tolist()  # mesh shape: (pp, dp_replicate, dp_shard, tp)
+    mine: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+    for line in lines:
+        whole = dist.new_group(line)
+        ends = dist.new_group([line[0], line[-1]]) if pp > 2 else whole
+        if dist.get_rank() in line:
+            mine = (whole, ends)
+    assert mine is not None
+    return mine
 
 
 def tied_weight(stages: list) -> torch.nn.Parameter | None:
@@ -59,4 +65,10 @@ def sync_tied_grads(weight: torch.nn.Parameter | None, group: dist.ProcessGroup 
     """Sum the gradient of the tied weight over its two stages (call after backward)."""
     if weight is None or group is None or weight.grad is None:
         return
-    dist.all_reduce(_local(weight.grad), group=group)
+    grad = weight.grad
+    if isinstance(grad, DTensor) and grad.placements != weight.placements:
+        # Under TP the embedding's gradient comes back replicated while the head's is sharded
+        # like its weight: lay both out as their weights before summing the local pieces.
+        grad = grad.redistribute(weight.device_mesh, weight.placements)
+        weight.grad = grad
+    dist.all_reduce(_local(grad), group=group)
