@@ -113,3 +113,29 @@ def test_corrupt_compressed_input(tmp_path, example_tokenizer):
     with pytest.raises(PreprocessError, match="c.jsonl.gz: corrupt gzip data"):
         run_preprocess([tmp_path / "c.jsonl.gz"], tmp_path / "out", example_tokenizer)
     assert not (tmp_path / "out.idx").exists()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "module", "extra"), [("hf-saved", "datasets", "hf"), ("parquet", "pyarrow", "parquet")]
+)
+def test_a_missing_optional_dependency_names_the_extra(
+    tmp_path, example_tokenizer, fmt, module, extra
+):
+    import subprocess
+    import sys
+    import textwrap
+
+    source = WRITERS[fmt](tmp_path, [{"text": "x"}])
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules[{module!r}] = None  # as if it were not installed
+        from hp_data.cli import main
+        main(["preprocess", {str(source)!r}, "--out", {str(tmp_path / "out")!r},
+              "--tokenizer", {str(example_tokenizer)!r}, "--quiet"])
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert f"needs {module}: pip install 'hp-data[{extra}]'" in result.stderr
+    assert "Traceback" not in result.stderr
