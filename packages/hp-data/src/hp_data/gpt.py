@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from hp_data.cache import load_or_build
 from hp_data.errors import HpDataError
@@ -49,8 +50,6 @@ def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:
 
 
 def _hash_array(array: np.ndarray) -> str:
-    import xxhash
-
     return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 

@@ -221,10 +221,8 @@ class _WorkDir:
 
 def _config_hash(files: TokenizerFiles, spec: _WorkerSpec, options: PreprocessOptions) -> str:
     """Everything besides the inputs that changes the output; a mismatch starts over."""
-    with open(files.tokenizer_json, "rb") as stream:
-        tokenizer_hash = xxhash.xxh3_128_hexdigest(stream.read())
     described = {
-        "tokenizer": tokenizer_hash,
+        "tokenizer": files.content_hash(),
         "keys": spec.keys,
         "dtype": spec.dtype,
         "bos": spec.bos,

@@ -24,6 +24,8 @@ from hp_data.errors import HpDataError
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_data.index import SPLITS, parse_split
 from hp_data.preprocess import PreprocessOptions, preprocess
+from hp_data.readers import discover
+from hp_data.tokenize import TokenizerFiles
 
 
 @dataclass(frozen=True)
@@ -100,18 +102,13 @@ def _require_path(config: DatasetConfig, *, tokenizer: bool = False) -> str:
 
 def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, int]:
     """Tokenize `config.path` once into the cache (under a lock); the prefix and EOD id."""
-    from hp_data.readers import discover
-    from hp_data.tokenize import TokenizerFiles
-
     path = _require_path(config, tokenizer=True)
     if not os.path.exists(path):
         raise HpDataError(f"{path}: no such file or directory")
     shards = discover([path], input_format)
     files = TokenizerFiles.locate(config.tokenizer)  # type: ignore[arg-type]
-    with open(files.tokenizer_json, "rb") as stream:
-        tokenizer_hash = xxhash.xxh3_128_hexdigest(stream.read())
     key = xxhash.xxh3_128_hexdigest(
-        repr(([s.identity for s in shards], tokenizer_hash, config.text_key)).encode()
+        repr(([s.identity for s in shards], files.content_hash(), config.text_key)).encode()
     )
     directory = os.path.join(resolve_cache_dir(config.cache_dir), "tokenized")
     os.makedirs(directory, exist_ok=True)
@@ -139,14 +136,10 @@ def _dummy(config: DatasetConfig) -> DummyDataset:
     return DummyDataset(count, config.seq_length, config.vocab_size, config.seed)
 
 
-def _json_file(config: DatasetConfig) -> GPTDataset:
-    prefix, eod = _tokenized(config, None)
-    shares = config.split_shares if config.split_shares != "969,30,1" else "1,0,0"
-    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, shares, eod))
-
-
-def _hf_datasets(config: DatasetConfig) -> GPTDataset:
-    prefix, eod = _tokenized(config, config.input_format)
+def _packed(config: DatasetConfig, input_format: str | None) -> GPTDataset:
+    """A tokenized corpus packed into samples; a file trains whole unless shares are given
+    (Megatron's default split is for prefixes)."""
+    prefix, eod = _tokenized(config, input_format)
     shares = config.split_shares if config.split_shares != "969,30,1" else "1,0,0"
     return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, shares, eod))
 
@@ -161,8 +154,8 @@ def _megatron(config: DatasetConfig) -> Any:
 
 DATASET_REGISTRY: dict[str, Callable[[DatasetConfig], Any]] = {
     "dummy": _dummy,
-    "hf_datasets": _hf_datasets,
-    "json_file": _json_file,
+    "hf_datasets": lambda config: _packed(config, config.input_format),
+    "json_file": lambda config: _packed(config, None),
     "megatron": _megatron,
 }
 

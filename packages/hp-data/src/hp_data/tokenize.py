@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 from tokenizers import Tokenizer
 
 from hp_data.errors import PreprocessError
@@ -51,6 +52,11 @@ class TokenizerFiles:
             if not isinstance(config, dict):
                 raise PreprocessError(f"{config_path}: expected a JSON object")
         return cls(file, config)
+
+    def content_hash(self) -> str:
+        """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
+        with open(self.tokenizer_json, "rb") as stream:
+            return xxhash.xxh3_128_hexdigest(stream.read())
 
     def load(self) -> Tokenizer:
         try:
