@@ -46,9 +46,22 @@ class ParallelDims:
         if model.n_layers < self.pp:
             raise ValueError(f"n_layers={model.n_layers} is fewer than pp={self.pp} stages")
 
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: dp_replicate * dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         """A mesh with dims named pp, dp_replicate, dp_shard, tp (sizes of 1 included)."""
         self.validate(world_size)
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """dp_replicate x dp_shard of `mesh` as one 1-D mesh: the ranks that batches are split
+    over and losses reduced over. It creates process groups, so every rank calls it once, at
+    the same point; keep the result (torch deprecates slicing it back out of the root mesh)."""
+    # The one private call: torch has no public way to flatten mesh dims yet.
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -22,11 +23,14 @@ def parallelize(
     activation_checkpointing: str | None = None,
     ac_every: int = 2,
     compile_blocks: bool = False,
+    tp_reduce_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Apply tensor parallel, then activation checkpointing, then per-block torch.compile, then
-    FSDP/HSDP, to a model (or a pipeline stage) still on the meta device."""
+    FSDP/HSDP, to a model (or a pipeline stage) still on the meta device. `param_dtype` is
+    FSDP's compute dtype (default: bf16 on GPU, fp32 on CPU)."""
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], loss_parallel)
+        apply_tp(model, mesh["tp"], loss_parallel, tp_reduce_dtype)
     if activation_checkpointing is not None:
         apply_ac(model, activation_checkpointing, ac_every)
     if compile_blocks:
@@ -34,5 +38,5 @@ def parallelize(
     if dims.dp_shard > 1 or dims.dp_replicate > 1:
         hsdp = dims.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, device_type)
+        apply_fsdp(model, dp_mesh, device_type, param_dtype=param_dtype)
     return model

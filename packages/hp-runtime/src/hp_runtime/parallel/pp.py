@@ -81,7 +81,9 @@ def build_schedule(
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """The pipeline schedule over this rank's stages."""
+    """The pipeline schedule over this rank's stages. Gradients are not rescaled
+    (`scale_grads=False`): `loss_fn` returns each micro-batch's share of the step's loss, so
+    the gradients are those of the sum, as without a pipeline."""
     try:
         kind = SCHEDULES[schedule]
     except KeyError:
@@ -92,30 +94,37 @@ def build_schedule(
         for stage, module in stages
     ]
     if issubclass(kind, PipelineScheduleMulti):
-        return kind(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return kind(
+            pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+        )
     if len(pipeline_stages) != 1:
         raise ValueError(f"schedule {schedule!r} takes one stage per rank; use interleaved1f1b")
-    return kind(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return kind(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def pipeline_step(
     schedule: PipelineScheduleSingle | PipelineScheduleMulti,
     stage_ids: list[int],
     total_stages: int,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    inputs: torch.Tensor | None,
+    targets: torch.Tensor | None,
     microbatches: int,
+    backward: bool = True,
 ) -> torch.Tensor | None:
-    """Run forward and backward of one batch; the mean micro-batch loss on the last stage."""
-    if inputs.shape[0] % microbatches:
-        raise ValueError(
-            f"a batch of {inputs.shape[0]} does not divide into {microbatches} micro-batches"
-        )
+    """Run forward and backward (or, with `backward=False`, forward only) of one batch; on the
+    last stage, the sum of the micro-batch losses (each already its share of the step's loss),
+    else None. The first stage gives `inputs`, the last `targets`, the others neither."""
+    for batch in (inputs, targets):
+        if batch is not None and batch.shape[0] % microbatches:
+            raise ValueError(
+                f"a batch of {batch.shape[0]} does not divide into {microbatches} micro-batches"
+            )
+    run = schedule.step if backward else schedule.eval
     losses: list[torch.Tensor] = []
     if 0 in stage_ids:
-        schedule.step(inputs, target=targets, losses=losses)
+        run(inputs, target=targets, losses=losses)
     elif total_stages - 1 in stage_ids:
-        schedule.step(target=targets, losses=losses)
+        run(target=targets, losses=losses)
     else:
-        schedule.step()
-    return torch.stack(losses).mean() if losses else None
+        run()
+    return torch.stack(losses).sum() if losses else None

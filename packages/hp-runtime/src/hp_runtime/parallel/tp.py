@@ -4,13 +4,21 @@ Activations between blocks are sharded along the sequence (Shard(1)); each atten
 feed-forward input is gathered, the q/k/v and w1/w3 projections split by columns, wo and w2
 by rows (reduce-scattered back to sequence shards). The output head gathers the sequence and
 returns replicated logits (or, with loss_parallel, vocabulary-sharded ones).
+
+With `reduce_dtype` (float32 under bf16 parameters) the row-wise projections keep their
+partial products in that dtype: the local matmul writes fp32, the partial sums are
+reduce-scattered in fp32 and rounded to bf16 once, after the sum, instead of rounding every
+rank's partial and then the sum. torch's `RowwiseParallel` has no such option.
 """
 
 from __future__ import annotations
 
+import types
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -20,8 +28,76 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool = False) -> None:
-    """Shard `model` (a hp_runtime Transformer or a pipeline stage of one) over `mesh`."""
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a linear layer computes in here: autocast's dtype where it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _PartialProduct(torch.autograd.Function):
+    """`x @ w.T` in the compute dtype (bf16 under autocast or bf16 parameters) with the
+    result kept in `out_dtype`; the backward runs in the compute dtype as usual."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        compute = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            xc, wc = x.to(compute), w.to(compute)
+            ctx.save_for_backward(xc, wc)
+            ctx.dtypes = (x.dtype, w.dtype, compute)
+            flat = xc.reshape(-1, xc.shape[-1])
+            if flat.is_cuda and compute in (torch.bfloat16, torch.float16):
+                out = torch.mm(flat, wc.t(), out_dtype=out_dtype)  # fp32 accumulator kept
+            else:
+                out = flat.to(out_dtype) @ wc.to(out_dtype).t()  # exact products of bf16 values
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        x_dtype, w_dtype, compute = ctx.dtypes
+        g = grad.to(compute)
+        grad_x = (g @ wc).to(x_dtype)
+        grad_w = g.reshape(-1, g.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])
+        return grad_x, grad_w.to(w_dtype), None
+
+
+class RowwiseParallelReduced(RowwiseParallel):
+    """`RowwiseParallel` for an `nn.Linear` whose partial sums are reduced in `reduce_dtype`
+    and cast back to the compute dtype after the reduction."""
+
+    def __init__(self, *, reduce_dtype: torch.dtype, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.reduce_dtype = reduce_dtype
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        reduce_dtype, layouts = self.reduce_dtype, self.output_layouts
+
+        def forward(self: nn.Module, x: DTensor) -> DTensor:
+            local = _PartialProduct.apply(x.to_local(), self.weight.to_local(), reduce_dtype)
+            compute = _compute_dtype(x.to_local())
+            partial = DTensor.from_local(local, x.device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(placements=layouts).to(compute)
+
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+        return module
+
+
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    loss_parallel: bool = False,
+    reduce_dtype: torch.dtype | None = None,
+) -> None:
+    """Shard `model` (a hp_runtime Transformer or a pipeline stage of one) over `mesh`;
+    `reduce_dtype` reduces the row-wise projections' partial sums in that dtype."""
+
+    def rowwise() -> RowwiseParallel:
+        if reduce_dtype is None:
+            return RowwiseParallel(output_layouts=Shard(1))
+        return RowwiseParallelReduced(output_layouts=Shard(1), reduce_dtype=reduce_dtype)
+
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -44,13 +120,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool = False) ->
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wo": rowwise(),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             ),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": rowwise(),
             "feed_forward.w3": ColwiseParallel(),
         }
         parallelize_module(block, mesh, plan)  # type: ignore[arg-type]

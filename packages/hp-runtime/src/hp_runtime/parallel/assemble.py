@@ -1,0 +1,182 @@
+"""A rank's whole share of a parallel model, assembled in the one order that works.
+
+The protocol is order-sensitive, so it lives here once: build on meta → cut pipeline stages →
+parallelize each stage (TP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
+re-ties) → broadcast the tied embedding from the first stage to the last → build the schedule.
+After backward, `Assembly.finish_gradients` sums the tied copies' gradients and clips, counting
+the last stage's copy out of the norm. The trainer and the parity tests both call this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_runtime.model import ModelConfig, Transformer, init_weights
+from hp_runtime.parallel.clip import clip_grad_norm
+from hp_runtime.parallel.mesh import ParallelDims, data_parallel_mesh
+from hp_runtime.parallel.parallelize import parallelize
+from hp_runtime.parallel.pp import build_schedule, stage_modules
+from hp_runtime.parallel.tied import broadcast_tied, stage_groups, sync_tied_grads, tied_weight
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How each dimension is applied, beyond its degree (see `ParallelDims`)."""
+
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
+    pp_virtual_stages: int = 1
+    loss_parallel: bool = False
+    activation_checkpointing: str | None = None  # "full" or "selective"
+    ac_every: int = 2
+    compile_blocks: bool = False
+    tp_reduce_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = None  # FSDP compute dtype; default bf16 on GPU
+
+
+@dataclass
+class Assembly:
+    """This rank's stages (one `(0, model)` without a pipeline), its schedule and groups."""
+
+    stages: list[tuple[int, nn.Module]]
+    total_stages: int
+    device: torch.device
+    mesh: DeviceMesh | None
+    dp_mesh: DeviceMesh | None
+    dims: ParallelDims
+    schedule: object | None = None
+    pp_group: dist.ProcessGroup | None = None
+    tied: nn.Parameter | None = None
+    tied_group: dist.ProcessGroup | None = None
+    parameters: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def stage_ids(self) -> list[int]:
+        return [stage for stage, _ in self.stages]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [module for _, module in self.stages]
+
+    @property
+    def model(self) -> nn.Module:
+        """The whole model, when there is no pipeline."""
+        if self.schedule is not None:
+            raise ValueError("a pipeline-parallel rank holds stages, not the whole model")
+        return self.stages[0][1]
+
+    @property
+    def has_first_stage(self) -> bool:
+        """Feeds tokens into the model (needs the inputs)."""
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Computes the loss (needs the labels)."""
+        return self.total_stages - 1 in self.stage_ids
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.dp_mesh is None else self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.dp_mesh is None else self.dp_mesh.get_group()
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
+
+    @property
+    def _last_tied_copy(self) -> nn.Parameter | None:
+        """The head's copy of a tied embedding on a last stage without the first."""
+        return self.tied if self.tied is not None and not self.has_first_stage else None
+
+    def finish_gradients(self, max_norm: float, sync_tied: bool = True) -> torch.Tensor:
+        """After backward: sum the tied copies' gradients, then clip; the global grad norm.
+        `sync_tied=False` exists for the negative-control test only."""
+        if sync_tied:
+            sync_tied_grads(self.tied, self.tied_group)
+        return clip_grad_norm(self.parameters, max_norm, self.pp_group, skip=self._last_tied_copy)
+
+
+def assemble(
+    config: ModelConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    *,
+    seed: int,
+    options: ParallelOptions | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> Assembly:
+    """Build, parallelize, materialise and initialise this rank's share of the model.
+
+    Without an initialised process group `dims` must describe one process. Under a pipeline,
+    `loss_fn(logits, targets)` returns a micro-batch's share of the step's loss (gradients are
+    not rescaled); it is required then, and ignored otherwise.
+    """
+    options = options or ParallelOptions()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims.validate(world, config)
+    mesh = dp_mesh = None
+    if dist.is_initialized():
+        mesh = dims.build_mesh(device.type, world)
+        dp_mesh = data_parallel_mesh(mesh)
+    with torch.device("meta"):
+        model = Transformer(config)
+    stages: list[tuple[int, nn.Module]] = [(0, model)]
+    total_stages = 1
+    pp_group = tied_group = None
+    if dims.pp > 1:
+        assert mesh is not None
+        if loss_fn is None:
+            raise ValueError("a pipeline needs loss_fn: the last stage computes the loss")
+        total_stages = dims.pp * options.pp_virtual_stages
+        stages = stage_modules(
+            model, mesh["pp"].get_local_rank(), dims.pp, options.pp_virtual_stages
+        )
+        pp_group, tied_group = stage_groups(mesh)
+    if mesh is not None:
+        for _, module in stages:
+            parallelize(
+                module,
+                dims,
+                mesh,
+                device_type=device.type,
+                loss_parallel=options.loss_parallel,
+                activation_checkpointing=options.activation_checkpointing,
+                ac_every=options.ac_every,
+                compile_blocks=options.compile_blocks,
+                tp_reduce_dtype=options.tp_reduce_dtype,
+                param_dtype=options.param_dtype,
+            )
+    for _, module in stages:
+        module.to_empty(device=device)
+        init_weights(module, seed=seed)
+    assembly = Assembly(stages, total_stages, device, mesh, dp_mesh, dims, pp_group=pp_group)
+    if dims.pp > 1 and config.tie_embeddings:
+        assembly.tied, assembly.tied_group = tied_weight(stages), tied_group
+        first_rank = int(mesh["pp"].mesh[0])  # type: ignore[index]
+        broadcast_tied(assembly.tied, tied_group, first_rank)
+    if dims.pp > 1:
+        assembly.schedule = build_schedule(
+            stages,
+            mesh["pp"],
+            device,
+            options.pp_schedule,
+            options.pp_microbatches,
+            loss_fn,  # type: ignore[index]
+        )
+    # A tied pair inside one module is one parameter here, as `parameters()` yields it once.
+    assembly.parameters = [p for module in assembly.modules for p in module.parameters()]
+    return assembly
