@@ -131,11 +131,13 @@ def make_dataloader(
     sampler: PretrainingSampler,
     num_workers: int = 0,
     pin_memory: bool = False,
+    prefetch_factor: int | None = None,
 ) -> DataLoader:
     """A DataLoader that draws this rank's micro-batches from `sampler`, as Megatron builds it.
 
     A plain hp dataset is wrapped with `as_torch_dataset` first. Workers persist across
-    iterations (as in Megatron) so that resuming does not pay for starting them again.
+    iterations (as in Megatron) so that resuming does not pay for starting them again;
+    `prefetch_factor` is how many micro-batches each keeps ready (torch's default: 2).
     """
     torch = _torch()
     if not isinstance(dataset, torch.utils.data.Dataset):
@@ -147,4 +149,5 @@ def make_dataloader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )

@@ -1,0 +1,435 @@
+"""The trainer's configuration: one TOML file plus dotted overrides, mapped onto typed, frozen
+dataclasses and checked before any rank does work.
+
+Sections: `model` (a preset plus any `ModelConfig` field), `data`, `parallel`, `train`, `optim`,
+`checkpoint`, `metrics`. An unknown section or key, a value of the wrong type or a missing
+required key is a `ConfigError` whose one-line message names the key and, for a misspelling,
+the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from hp_runtime.model import PRESETS, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot start from; the message is one line for the user."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    type: Literal["dummy", "json_file", "hf_datasets", "megatron"]
+    path: str | None = None  # prefix, Megatron blend "0.3 /a 0.7 /b", JSONL file, HF dir
+    tokenizer: str | None = None  # tokenizer.json (json_file, hf_datasets)
+    seq_length: int
+    split: str = "969,30,1"  # train,valid,test shares of `path`
+    valid_path: str | None = None  # a separate validation corpus, used whole
+    seed: int = 1234  # shuffles the samples (Megatron's --seed for the data)
+    cache_dir: str | None = None  # index cache; default RUN_DIR/index-cache
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    document_masking: bool = False  # attention stays inside documents (from position ids)
+    eod_token: int | None = None  # megatron type: for eod_mask_loss / reset_position_ids
+    text_key: str = "text"
+    num_workers: int | None = None  # DataLoader workers; default 1 on a multi-core machine
+    prefetch_factor: int = 4  # micro-batches each worker keeps ready
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
+    pp_microbatches: int | None = None  # default: all accumulation steps in one schedule step
+    pp_virtual_stages: int = 1
+    tp_reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    loss_parallel: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = 2
+    compile: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run_dir: str = "out/run"
+    steps: int
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
+    seed: int = 0  # model initialisation
+    max_norm: float = 1.0  # gradient clipping; 0 turns it off
+    eval_interval: int = 0  # 0: no validation
+    eval_iters: int = 10
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    cpu_threads: int = 0  # torch threads per rank on CPU; 0: cores / ranks on the machine
+    spike_action: Literal["off", "skip", "stop"] = "off"
+    spike_window: int = 100
+    spike_sigma: float = 6.0
+    time_limit: float = 0.0  # wall-clock seconds; 0: none
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_style: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    decay_steps: int | None = None  # default: steps - warmup_steps
+    wsd_decay_fraction: float = 0.1  # wsd: share of the decay span spent decaying
+    wsd_decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    interval: int = 0  # steps between saves; 0: none
+    resume: str = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    log_interval: int = 10
+    tensorboard: bool = True  # when the tensorboard package is installed
+    plot: bool = True  # RUN_DIR/metrics.png at the end, when matplotlib is installed
+    peak_tflops: float | None = None  # per device, dense bf16; default from the GPU table
+
+
+@dataclass(frozen=True)
+class Config:
+    model_preset: str
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _key_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _all_key_types() -> dict[str, dict[str, Any]]:
+    keys = {name: _key_types(cls) for name, cls in SECTIONS.items()}
+    keys["model"] = {"preset": Literal[tuple(PRESETS)], **_key_types(ModelConfig)}
+    return keys
+
+
+KEYS = _all_key_types()
+
+
+def _similarity(wrong: str, right: str) -> float:
+    """Closeness of two key names: whole-string likeness or the words they share
+    (`lr_warmup` is nearer `warmup_steps` than `lr` is)."""
+    ratio = difflib.SequenceMatcher(None, wrong, right).ratio()
+    shared = set(wrong.split("_")) & set(right.split("_"))
+    words = 2 * sum(len(word) for word in shared) / (len(wrong) + len(right))
+    return max(ratio, words)
+
+
+def suggest(section: str, key: str | None) -> str | None:
+    """The closest valid dotted key (or section, when `key` is None), if any is close; a key
+    of the same section wins a near tie."""
+    if key is None:
+        scored = [(_similarity(section, name), name) for name in KEYS]
+    else:
+        scored = [
+            (_similarity(key, name) + (0.05 if other == section else 0.0), f"{other}.{name}")
+            for other, names in KEYS.items()
+            for name in names
+        ]
+    score, best = max(scored)
+    return best if score >= 0.5 else None
+
+
+def _unknown(section: str, key: str | None) -> ConfigError:
+    where = section if key is None else f"{section}.{key}"
+    kind = "section" if key is None else "key"
+    hint = suggest(section, key)
+    return ConfigError(f"{where}: unknown {kind}" + (f"; did you mean {hint}?" if hint else ""))
+
+
+def _type_name(kind: Any) -> str:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(kind))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(kind, "nothing") if kind is not type(None) else "none"
+
+
+def _coerce(value: Any, kind: Any) -> Any:
+    """`value` (from TOML) as `kind`, or raise TypeError."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(kind):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option)
+            except TypeError:
+                pass
+        raise TypeError
+    if origin is Literal:
+        if value in typing.get_args(kind):
+            return value
+        raise TypeError
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise TypeError
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    raise TypeError
+
+
+def _takes_str(kind: Any) -> bool:
+    if kind is str:
+        return True
+    args = typing.get_args(kind)
+    return any(isinstance(a, str) for a in args) or any(_takes_str(a) for a in args)
+
+
+def _parse_override(text: str, kind: Any) -> Any:
+    """A command-line value as TOML reads it (`50`, `3e-4`, `true`), except that a key taking
+    text keeps the text as given (`data.split=969,30,1`, `train.run_dir=out/a`)."""
+    args = typing.get_args(kind)
+    if text.lower() in ("none", "null") and type(None) in args:
+        return None
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+    if _takes_str(kind) and not isinstance(value, str):
+        return text
+    return value
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})" if not isinstance(value, str) else repr(value)
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`["train.steps=50", "optim.lr=3e-4"]` → {"train": {"steps": 50}, "optim": {...}}."""
+    tree: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"{item}: an override is SECTION.KEY=VALUE, e.g. train.steps=50")
+        if section not in KEYS:
+            raise _unknown(section, None)
+        if name not in KEYS[section]:
+            raise _unknown(section, name)
+        tree.setdefault(section, {})[name] = _parse_override(text.strip(), KEYS[section][name])
+    return tree
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    merged = {section: dict(values) for section, values in base.items()}
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if key not in KEYS[section]:
+            raise _unknown(section, key)
+        kind = KEYS[section][key]
+        try:
+            out[key] = _coerce(value, kind)
+        except TypeError:
+            raise ConfigError(
+                f"{section}.{key}: expected {_type_name(kind)}, got {_shown(value)}"
+            ) from None
+    return out
+
+
+def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    typed = _typed(section, values)
+    missing = [
+        f.name
+        for f in fields(cls)
+        if f.name not in typed
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(
+            f"{section}.{missing[0]}: required; set it in the config file or as "
+            f"{section}.{missing[0]}=VALUE"
+        )
+    return cls(**typed)
+
+
+def build_config(tree: dict[str, Any]) -> Config:
+    """A checked `Config` from a parsed TOML tree (overrides already merged)."""
+    for section, values in tree.items():
+        if section not in KEYS:
+            raise _unknown(section, None)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {_shown(values)}")
+    model_values = _typed("model", tree.get("model", {}))
+    preset_name = model_values.pop("preset", "tiny")
+    try:
+        model = dataclasses.replace(PRESETS[preset_name], **model_values)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    sections = {name: _build(name, cls, tree.get(name, {})) for name, cls in SECTIONS.items()}
+    config = Config(model_preset=preset_name, model=model, **sections)
+    check(config)
+    return config
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:  # type: ignore[assignment]
+    """Read `path` (TOML), apply `overrides` (SECTION.KEY=VALUE), check everything."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as stream:
+                tree = tomllib.load(stream)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return build_config(_merge(tree, parse_overrides(list(overrides))))
+
+
+def _positive(config: Config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+
+
+def check(config: Config) -> None:
+    """Relations between keys that no single type expresses."""
+    _positive(
+        config,
+        "train.steps",
+        "train.micro_batch_size",
+        "train.global_batch_size",
+        "train.eval_iters",
+        "train.spike_window",
+        "data.seq_length",
+        "data.prefetch_factor",
+        "parallel.dp_replicate",
+        "parallel.dp_shard",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.pp_microbatches",
+        "parallel.pp_virtual_stages",
+        "parallel.ac_every",
+        "metrics.log_interval",
+    )
+    for key in (
+        "train.eval_interval",
+        "checkpoint.interval",
+        "optim.warmup_steps",
+        "train.cpu_threads",
+        "data.num_workers",
+    ):
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value is not None and value < 0:
+            raise ConfigError(f"{key}: must be 0 or more")
+    data = config.data
+    if data.type != "dummy" and not data.path:
+        raise ConfigError(f"data.path: required for data.type = {data.type!r}")
+    if data.type in ("json_file", "hf_datasets") and not data.tokenizer:
+        raise ConfigError(f"data.tokenizer: required for data.type = {data.type!r}")
+    if data.seq_length > config.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_length={data.seq_length} is longer than model.max_seq_len="
+            f"{config.model.max_seq_len}; raise model.max_seq_len or shorten the sequences"
+        )
+    if data.seq_length % config.parallel.tp:
+        raise ConfigError(
+            f"data.seq_length={data.seq_length} is not divisible by parallel.tp="
+            f"{config.parallel.tp} (sequence parallel splits the sequence)"
+        )
+    optim = config.optim
+    if not 0 <= optim.min_lr <= optim.lr:
+        raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
+    if not 0 < optim.wsd_decay_fraction <= 1:
+        raise ConfigError("optim.wsd_decay_fraction must be in (0, 1]")
+    if config.train.spike_sigma <= 0:
+        raise ConfigError("train.spike_sigma must be positive")
+    if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
+        raise ConfigError(
+            "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "
+            "passes only hidden states between stages, not position ids"
+        )
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to the same `Config` (keys
+    whose value is none are written as comments)."""
+    lines = ["[model]", f'preset = "{config.model_preset}"']
+    sections: list[tuple[str, Any]] = [("model", config.model)]
+    sections += [(name, getattr(config, name)) for name in SECTIONS]
+    for name, section in sections:
+        if name != "model":
+            lines += ["", f"[{name}]"]
+        for field in fields(section):
+            value = getattr(section, field.name)
+            if value is None:
+                lines.append(f"# {field.name} = (none)")
+            else:
+                lines.append(f"{field.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,263 @@
+"""Training data: hp-data registry → Megatron's pretraining sampler → DataLoader workers.
+
+Sample counts are Megatron's: `steps x global batch` for training and `eval_iters x global batch
+x (steps // eval_interval + 1)` for validation. The sampler's global order does not depend on
+the data-parallel size, so `consumed_samples` alone says where a run is. Index caches are built
+once per machine before the first step: local rank 0 first, the other ranks after it (they then
+load what it wrote). Tensor-parallel ranks of one data-parallel line read the same samples; a
+pipeline's middle stages read nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hp_data.errors import HpDataError
+from hp_data.index import SPLITS, parse_split
+from hp_data.registry import DatasetConfig, build_dataset
+from hp_data.sampler import PretrainingSampler
+from hp_data.torch import make_dataloader
+
+from hp_runtime.train.config import Config, ConfigError
+from hp_runtime.train.launch import Runtime, TrainError, agree
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch divides into micro-batches."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    dp_size: int
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per step."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+
+def batch_plan(config: Config) -> BatchPlan:
+    """Global batch = micro-batch x data-parallel size x accumulation steps, checked."""
+    p, t = config.parallel, config.train
+    dp = p.dp_replicate * p.dp_shard
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x "
+            f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
+        )
+    plan = BatchPlan(t.micro_batch_size, gbs, dp)
+    if p.pp > 1:
+        n = p.pp_microbatches or plan.accumulation
+        if plan.accumulation % n:
+            raise ConfigError(
+                f"parallel.pp_microbatches={n} does not divide the {plan.accumulation} "
+                f"micro-batches per step (global batch {gbs} / micro-batch "
+                f"{t.micro_batch_size} / data-parallel {dp})"
+            )
+    return plan
+
+
+def pp_microbatches(config: Config, plan: BatchPlan) -> int:
+    return config.parallel.pp_microbatches or plan.accumulation
+
+
+def sample_counts(config: Config, plan: BatchPlan) -> tuple[int, int]:
+    """(train, validation) samples, as Megatron computes them."""
+    t = config.train
+    train = t.steps * plan.global_batch_size
+    if not t.eval_interval:
+        return train, 0
+    return train, t.eval_iters * plan.global_batch_size * (t.steps // t.eval_interval + 1)
+
+
+def _registry_config(config: Config, split: str, num_samples: int, run_dir: str) -> DatasetConfig:
+    d = config.data
+    path, shares = d.path, d.split
+    if split == "valid" and d.valid_path:
+        path, shares = d.valid_path, "0,1,0"
+    return DatasetConfig(
+        type=d.type,
+        seq_length=d.seq_length,
+        path=path,
+        tokenizer=d.tokenizer,
+        split=split,
+        split_shares=shares,
+        num_samples=num_samples,
+        # The dummy type has no splits: its validation samples come from another seed.
+        seed=d.seed + (1 if d.type == "dummy" and split == "valid" else 0),
+        vocab_size=config.model.vocab_size,
+        text_key=d.text_key,
+        eod_token=d.eod_token,
+        eod_mask_loss=d.eod_mask_loss,
+        reset_position_ids=d.reset_position_ids,
+        cache_dir=d.cache_dir or os.path.join(run_dir, "index-cache"),
+    )
+
+
+def _has_valid_split(config: Config) -> bool:
+    d = config.data
+    if d.valid_path or d.type == "dummy":
+        return True
+    shares = d.split
+    if d.type in ("json_file", "hf_datasets") and shares == "969,30,1":
+        shares = "1,0,0"  # the registry trains a tokenized file whole unless shares are given
+    return parse_split(shares)[SPLITS.index("valid")] > 0
+
+
+def fingerprint(dataset: Any, registry: DatasetConfig) -> dict[str, Any]:
+    """What identifies the samples: the index cache key (corpus, blend, seed, length)."""
+    report = getattr(dataset, "cache_report", None)
+    if report is not None:
+        return {"key": report["key"], "samples": len(dataset)}
+    fields = ("type", "seq_length", "seed", "vocab_size", "num_samples")
+    return {name: getattr(registry, name) for name in fields}
+
+
+@dataclass
+class Datasets:
+    train: Any | None
+    valid: Any | None
+    fingerprint: dict[str, Any]
+    build_seconds: float
+
+
+def build_datasets(
+    config: Config, plan: BatchPlan, runtime: Runtime, reads: bool, run_dir: str
+) -> Datasets:
+    """The train and validation datasets on ranks that `reads`; local rank 0 builds the index
+    caches first (even when it reads nothing), the others load them after."""
+    train_samples, valid_samples = sample_counts(config, plan)
+    if valid_samples and not _has_valid_split(config):
+        raise ConfigError(
+            f"train.eval_interval={config.train.eval_interval} needs validation data: give "
+            f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
+        )
+    configs = {"train": _registry_config(config, "train", train_samples, run_dir)}
+    if valid_samples:
+        configs["valid"] = _registry_config(config, "valid", valid_samples, run_dir)
+    built: dict[str, Any] = {}
+    start = time.perf_counter()
+
+    def build() -> None:
+        for split, registry in configs.items():
+            built[split] = build_dataset(registry)
+
+    for turn in (True, False):  # local rank 0's turn, then everyone else's
+        failure = None
+        if (runtime.local_rank == 0) == turn and (reads or turn):
+            try:
+                build()
+            except HpDataError as exc:
+                failure = TrainError(f"data: {exc}")
+            except (OSError, ValueError) as exc:
+                failure = TrainError(f"data: {exc}")
+        agree(failure, runtime)
+    seconds = time.perf_counter() - start
+    keys = {split: fingerprint(built[split], configs[split]) for split in built}
+    return Datasets(built.get("train"), built.get("valid"), keys, seconds)
+
+
+def default_workers(config: Config) -> int:
+    """`data.num_workers`, else 1 on a multi-core machine (0 on one core)."""
+    if config.data.num_workers is not None:
+        return config.data.num_workers
+    return 1 if (os.cpu_count() or 1) > 1 else 0
+
+
+class _Prefetch:
+    """Pulls micro-batches from a DataLoader on a background thread, so that receiving a batch
+    from a worker process (unpickling, mapping its shared memory: milliseconds) overlaps the
+    step instead of adding to it. An error in the thread is raised in the caller."""
+
+    _END = object()
+
+    def __init__(self, loader: Any, depth: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, args=(loader,), daemon=True)
+        self._thread.start()
+
+    def _run(self, loader: Any) -> None:
+        try:
+            for batch in loader:
+                self._queue.put(batch)
+            self._queue.put(self._END)
+        except BaseException as exc:  # handed to the consumer
+            self._queue.put(exc)
+
+    def __next__(self) -> Batch:
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Loader:
+    """This rank's micro-batches from `consumed_samples` on, moved to the device; the time
+    spent waiting for them is kept in `waited` (seconds, reset by the caller). With
+    `background`, batches are received ahead on a thread (`depth` of them)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        plan: BatchPlan,
+        dp_rank: int,
+        consumed_samples: int,
+        device: torch.device,
+        workers: int,
+        prefetch_factor: int,
+        background: bool = True,
+    ) -> None:
+        self.sampler = PretrainingSampler(
+            len(dataset), consumed_samples, plan.micro_batch_size, dp_rank, plan.dp_size
+        )
+        self.loader = make_dataloader(
+            dataset,
+            self.sampler,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            prefetch_factor=prefetch_factor,
+        )
+        self.device = device
+        self.depth = 2 * plan.accumulation if background else 0
+        self.waited = 0.0
+        self._iterator: Iterator[Batch] | _Prefetch | None = None
+
+    def restart(self, consumed_samples: int) -> None:
+        """Start over from `consumed_samples` (validation starts at 0 every time)."""
+        self.sampler.load_state_dict({"consumed_samples": consumed_samples})
+        self._iterator = None
+
+    def take(self, count: int) -> list[Batch]:
+        if self._iterator is None:
+            self._iterator = _Prefetch(self.loader, self.depth) if self.depth else iter(self.loader)
+        out = []
+        for _ in range(count):
+            start = time.perf_counter()
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise TrainError(
+                    "data: the sampler ran out of samples; the dataset is smaller than "
+                    "train.steps x train.global_batch_size"
+                ) from None
+            self.waited += time.perf_counter() - start
+            out.append(
+                {
+                    k: v.to(self.device, non_blocking=True)
+                    for k, v in batch.items()
+                    if isinstance(v, torch.Tensor)
+                }
+            )
+        return out

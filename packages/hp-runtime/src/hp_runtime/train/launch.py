@@ -1,0 +1,94 @@
+"""Where a run executes: one process, or a rank under torchrun; CUDA + NCCL when a GPU is there,
+else CPU + gloo with a set number of threads per rank.
+
+A single process still gets a (one-rank) process group, so the trainer has one code path. Set-up
+failures are agreed on by every rank (`agree`) so that one rank's bad input stops them all
+instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on; the message is one line for the user."""
+
+
+class PeerFailed(TrainError):
+    """Another rank failed; it reports the reason, this one stops quietly."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_rank() -> int:
+    """This process's rank from torchrun's environment (0 alone), before any process group."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def start(device: str, cpu_threads: int, timeout_s: float = 600.0) -> Runtime:
+    """Initialise the process group and pick the device (`auto`: CUDA if available)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = env_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise TrainError("train.device = 'cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        where, backend = torch.device("cuda", local_rank), "nccl"
+    else:  # set, not assumed: ranks on one machine share its cores
+        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+        where, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:  # torchrun (or a launcher that speaks its protocol)
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=where if use_cuda else None,
+            )
+        else:  # one process, no launcher: an in-memory store
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, local_world, where)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(failure: BaseException | None, runtime: Runtime) -> None:
+    """Every rank calls this after a phase that may fail on some ranks only. If any failed,
+    all raise: the lowest failing rank its own error, the others `PeerFailed`."""
+    flag = torch.tensor(
+        [runtime.rank if failure is not None else runtime.world_size], device=runtime.device
+    )
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == runtime.world_size:
+        return
+    if failure is not None and first == runtime.rank:
+        raise failure
+    raise PeerFailed(f"rank {first} failed")

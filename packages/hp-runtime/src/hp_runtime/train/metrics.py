@@ -1,0 +1,229 @@
+"""What a run reports: a log line on rank 0, `RUN_DIR/metrics.jsonl`, TensorBoard when it is
+installed, and the MFU against the device's dense bf16 peak.
+
+Values come off the device one step late (`LaggedValues`), so reading them never stalls the GPU;
+a logged step, a validation or a checkpoint reads its own step at once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from hp_data.progress import clock, human
+
+# Dense bf16 tensor-core peaks (TFLOP/s per device) from the vendors' data sheets; the first
+# name contained in torch.cuda.get_device_name() wins, so specific names come first.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("H20", 148.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("MI300X", 1307.4),
+    ("MI325X", 1307.4),
+    ("MI250X", 383.0),
+]
+
+
+def peak_for_name(name: str) -> float | None:
+    """The table's peak for a device name, None when it is not in the table."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    """The device's peak, `override` first; None for a device not in the table (CPU too):
+    an unknown peak gives no MFU rather than a made-up one."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak, per device."""
+    if peak is None:
+        return None
+    return tokens_per_s_per_device * flops_per_token / (peak * 1e12)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class LaggedValues:
+    """Device scalars of each step copied to the host without waiting; `push` returns the
+    previous step's (long finished by then), `flush` the latest at once."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[int, torch.Tensor, Any] | None = None
+
+    def push(self, step: int, values: torch.Tensor) -> tuple[int, list[float]] | None:
+        previous = self._pending
+        host = values.detach().to("cpu", non_blocking=True)
+        event = None
+        if values.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (step, host, event)
+        return self._read(previous)
+
+    def flush(self) -> tuple[int, list[float]] | None:
+        previous, self._pending = self._pending, None
+        return self._read(previous)
+
+    @staticmethod
+    def _read(entry: tuple[int, torch.Tensor, Any] | None) -> tuple[int, list[float]] | None:
+        if entry is None:
+            return None
+        step, host, event = entry
+        if event is not None:
+            event.synchronize()
+        return step, host.tolist()
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: int
+    peak_tflops: float | None
+
+
+class MetricsLog:
+    """Rank 0's log line, JSONL records and TensorBoard scalars. Other ranks hold one too and
+    take part in the collectives, but write nothing."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        is_main: bool,
+        device: torch.device,
+        steps: int,
+        throughput: Throughput,
+        tensorboard: bool,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.is_main, self.device, self.steps = is_main, device, steps
+        self.throughput = throughput
+        self.stream = stream or sys.stdout
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8") if is_main else None  # noqa: SIM115
+        self._writer = self._tensorboard(run_dir) if is_main and tensorboard else None
+        self._mark_time = time.perf_counter()
+        self._mark_step = 0
+        self._started = self._mark_time
+
+    def _tensorboard(self, run_dir: str) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.say(
+                "metrics: tensorboard is not installed, so no event files are written "
+                "(pip install 'hp-runtime[tensorboard]')"
+            )
+            return None
+        return SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def say(self, line: str) -> None:
+        if self.is_main:
+            print(line, file=self.stream, flush=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def mark(self, step: int) -> None:
+        """Start a new interval at `step` (after a resume, a validation or a checkpoint, whose
+        time is not training time)."""
+        self._mark_time, self._mark_step = time.perf_counter(), step
+
+    def train(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        consumed_samples: int,
+        data_wait_s: float,
+        skipped: bool = False,
+    ) -> dict[str, Any]:
+        """Log `step` (a collective: every rank calls it at the same steps)."""
+        now = time.perf_counter()
+        elapsed = max(now - self._mark_time, 1e-9)
+        steps_done = max(step - self._mark_step, 1)
+        t = self.throughput
+        tokens_per_s = steps_done * t.tokens_per_step / elapsed
+        per_device = tokens_per_s / t.world_size
+        shared = torch.tensor(
+            [100.0 * data_wait_s / elapsed, peak_memory_gib(self.device)], device=self.device
+        )
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        wait_pct, memory = shared.tolist()
+        eta = (self.steps - step) * elapsed / steps_done
+        record = {
+            "kind": "train",
+            "step": step,
+            "steps": self.steps,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "consumed_samples": consumed_samples,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "mfu": mfu(per_device, t.flops_per_token, t.peak_tflops),
+            "peak_memory_gib": memory,
+            "data_wait_pct": wait_pct,
+            "elapsed_s": now - self._started,
+            "eta_s": eta,
+            "skipped": skipped,
+        }
+        self.write(record)
+        self._scalars(step, {k: record[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
+        width = len(str(self.steps))
+        mfu_text = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a"
+        self.say(
+            f"step {step:>{width}}/{self.steps} | loss {loss:.4f} | grad {grad_norm:.3f} | "
+            f"lr {lr:.3e} | {human(tokens_per_s)} tok/s ({human(per_device)}/dev) | "
+            f"mfu {mfu_text} | mem {memory:.2f} GiB | data {wait_pct:.1f}% | "
+            f"eta {clock(eta)}" + (" | skipped" if skipped else "")
+        )
+        self.mark(step)
+        return record
+
+    def validation(self, step: int, val_loss: float) -> None:
+        ppl = math.exp(val_loss) if val_loss < 700 else math.inf
+        self.write({"kind": "validation", "step": step, "val_loss": val_loss, "val_ppl": ppl})
+        self._scalars(step, {"val_loss": val_loss, "val_ppl": ppl})
+        self.say(f"validation at step {step} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
+
+    def _scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._writer is not None:
+            for name, value in values.items():
+                self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,54 @@
+"""The optimizer: AdamW (fused on CUDA, foreach elsewhere) or SGD, with weight decay only on
+matrices that are not embeddings (unless `decay_embeddings`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hp_runtime.model import canonical_name
+from hp_runtime.train.config import OptimConfig
+
+
+def _no_decay(name: str, param: nn.Parameter, tied: bool) -> bool:
+    """Norms and biases (1-D) never decay; nor do embeddings, by default. A tied head is the
+    embedding: both copies of a tied weight must take the same update."""
+    if param.ndim < 2:
+        return True
+    return name == "tok_embeddings.weight" or (tied and name == "output.weight")
+
+
+def param_groups(
+    modules: Iterable[nn.Module], optim: OptimConfig, tied: bool
+) -> list[dict[str, object]]:
+    """Two groups, decayed and not, in a fixed order of parameters."""
+    decay, plain = [], []
+    for module in modules:
+        for wrapped, param in module.named_parameters():
+            name = canonical_name(wrapped)
+            skip = _no_decay(name, param, tied) and not (optim.decay_embeddings and param.ndim >= 2)
+            (plain if skip else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": optim.weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    modules: Iterable[nn.Module], optim: OptimConfig, tied: bool, device: torch.device
+) -> torch.optim.Optimizer:
+    """The optimizer over `modules`' parameters; the rate is set every step by the loop."""
+    groups = param_groups(modules, optim, tied)
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups,
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        fused=fused,
+        foreach=not fused,
+    )

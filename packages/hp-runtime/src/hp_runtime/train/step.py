@@ -1,0 +1,158 @@
+"""Forward and backward of one global batch on this rank's share of the model, with or without
+a pipeline, and the validation loss.
+
+The loss is the cross-entropy summed over the tokens whose `loss_mask` is 1, divided by the
+number of such tokens in the whole global batch (all accumulation steps, all data-parallel
+ranks). Each micro-batch's loss is scaled by `dp_size / tokens` because FSDP averages gradients
+over the data-parallel ranks; the result is the same loss and gradients whatever the layout and
+accumulation. The count and the reported loss travel in collectives on the device: no host
+sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hp_runtime.parallel import Assembly
+from hp_runtime.parallel.pp import pipeline_step
+
+IGNORE = -100  # label of a token whose loss_mask is 0
+
+Batch = dict[str, torch.Tensor]
+
+
+class TokenLoss:
+    """Cross-entropy summed over a micro-batch's loss tokens, times `scale` (the weight of one
+    token in the step's loss, set before each step). It is the pipeline's `loss_fn` too, so it
+    exists before the model is assembled."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.scale = torch.ones((), device=device)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(
+            logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE
+        )
+        if isinstance(total, DTensor):  # vocabulary-parallel loss
+            total = total.full_tensor()
+        return total * self.scale
+
+
+class Stepper:
+    """Runs a step's micro-batches through `assembly` and reports global values."""
+
+    def __init__(
+        self,
+        assembly: Assembly,
+        loss_fn: TokenLoss,
+        pp_microbatches: int,
+        autocast_dtype: torch.dtype | None,
+        loss_parallel: bool,
+        use_positions: bool,
+        document_masking: bool,
+    ) -> None:
+        self.assembly = assembly
+        self.loss_fn = loss_fn
+        self.device = assembly.device
+        self.pp_microbatches = pp_microbatches
+        self.autocast_dtype = autocast_dtype
+        self.loss_parallel = loss_parallel
+        self.use_positions = use_positions or document_masking
+        self.document_masking = document_masking
+        # Only one rank per tensor-parallel group on the last stage reports a loss.
+        self.reports = assembly.has_last_stage and assembly.tp_rank == 0
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.autocast_dtype is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+            if self.loss_parallel:
+                stack.enter_context(loss_parallel())
+            yield
+
+    def _tokens(self, micro: list[Batch]) -> torch.Tensor:
+        """Loss tokens of the global batch (on the last stage; 1 elsewhere)."""
+        if not self.assembly.has_last_stage:
+            return torch.ones((), device=self.device)
+        count = torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float()
+        if self.assembly.dp_group is not None:
+            dist.all_reduce(count, group=self.assembly.dp_group)
+        return count.clamp(min=1.0)
+
+    def _forward(self, mb: Batch) -> torch.Tensor:
+        model = self.assembly.model
+        labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
+        positions = mb["position_ids"] if self.use_positions else None
+        logits = model(mb["tokens"], positions, document_masking=self.document_masking)
+        return self.loss_fn(logits, labels)
+
+    def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
+        """`count` micro-batches through the schedule, `pp_microbatches` per schedule step.
+        Ranks without data (middle stages) pass no `micro` but run the same steps."""
+        a, n = self.assembly, self.pp_microbatches
+        total = torch.zeros((), device=self.device)
+        for start in range(0, count, n):
+            group = micro[start : start + n]
+            inputs = torch.cat([mb["tokens"] for mb in group]) if a.has_first_stage else None
+            targets = None
+            if a.has_last_stage:
+                targets = torch.cat(
+                    [mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE) for mb in group]
+                )
+            loss = pipeline_step(
+                a.schedule, a.stage_ids, a.total_stages, inputs, targets, n, backward=backward
+            )
+            if loss is not None:
+                total = total + loss.detach()
+        return total
+
+    def _global(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of the reporting ranks' values (the same on every rank)."""
+        value = local if self.reports else torch.zeros_like(local)
+        dist.all_reduce(value)
+        return value
+
+    def train_step(self, micro: list[Batch], count: int) -> torch.Tensor:
+        """Forward and backward of the global batch: this rank's `count` micro-batches
+        (`micro`, empty on a rank that reads no data). Returns the global loss; gradients are
+        left for `Assembly.finish_gradients`."""
+        a = self.assembly
+        self.loss_fn.scale = a.dp_size / self._tokens(micro)
+        with self._context():
+            if a.schedule is not None:
+                local = self._pipeline(micro, count, backward=True)
+            else:
+                local = torch.zeros((), device=self.device)
+                for mb in micro:
+                    loss = self._forward(mb)
+                    loss.backward()
+                    local = local + loss.detach()
+        return self._global(local / a.dp_size)
+
+    @torch.no_grad()
+    def eval_sums(self, micro: list[Batch], count: int) -> torch.Tensor:
+        """[cross-entropy sum, loss tokens] of this rank's `count` micro-batches, for
+        `eval_loss` (zeros on ranks that do not report)."""
+        a = self.assembly
+        self.loss_fn.scale = torch.ones((), device=self.device)
+        zero = torch.zeros((), device=self.device)
+        with self._context():
+            if a.schedule is not None:
+                summed = self._pipeline(micro, count, backward=False)
+            else:
+                summed = sum((self._forward(mb) for mb in micro), zero)
+        tokens = sum((mb["loss_mask"].sum().float() for mb in micro), zero)
+        return torch.stack([summed.float(), tokens if a.has_last_stage else zero])
+
+    def eval_loss(self, sums: torch.Tensor) -> torch.Tensor:
+        """The global mean cross-entropy per loss token from summed `eval_sums`."""
+        total = self._global(sums)
+        return total[0] / total[1].clamp(min=1.0)

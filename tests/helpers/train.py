@@ -1,0 +1,107 @@
+"""Run hp-train from tests: in spawned ranks through the library, or as users launch it (the
+installed `hp-train` script, `torchrun`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.distributed import run_ranks
+
+BIN = Path(sys.executable).parent
+HP_TRAIN = str(BIN / "hp-train")
+TORCHRUN = str(BIN / "torchrun")
+
+# A few fast steps of the tiny model; tests add data and layout.
+FAST = [
+    "model.preset=tiny",
+    "train.cpu_threads=1",
+    "data.num_workers=0",
+    "metrics.log_interval=1",
+    "metrics.tensorboard=false",
+    "metrics.plot=false",
+]
+
+
+def corpus_overrides(corpus: Path, tokenizer: Path, cache: Path) -> list[str]:
+    """The shipped corpus, tokenized once into `cache` by the json_file type."""
+    return [
+        "data.type=json_file",
+        f"data.path={corpus}",
+        f"data.tokenizer={tokenizer}",
+        f"data.cache_dir={cache}",
+        "model.vocab_size=8192",
+    ]
+
+
+def _train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    from hp_runtime.train import load_config, train
+    from hp_runtime.train.launch import start
+
+    config = load_config(None, overrides)
+    runtime = start(config.train.device, config.train.cpu_threads)
+    log = io.StringIO()
+    result = train(config, runtime, stream=log)
+    return {
+        "losses": [result.losses[s] for s in sorted(result.losses)],
+        "grad_norms": [result.grad_norms[s] for s in sorted(result.grad_norms)],
+        "val_losses": dict(result.val_losses),
+        "skipped": list(result.skipped),
+        "log": log.getvalue(),
+    }
+
+
+def train_ranks(world: int, overrides: list[str], timeout: float = 300.0) -> list[dict[str, Any]]:
+    """`hp_runtime.train.train` on `world` spawned gloo ranks; each rank's result."""
+    return run_ranks(_train_rank, world, [*FAST, *overrides], timeout=timeout)
+
+
+def hp_train(
+    *args: str, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [HP_TRAIN, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
+
+
+def torchrun(
+    nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N -m hp_runtime.train ARGS`; on a timeout the
+    launcher and every rank are killed (they share a new session) before raising."""
+    command = [
+        TORCHRUN,
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        "-m",
+        "hp_runtime.train",
+        *map(str, args),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]

@@ -1,0 +1,128 @@
+"""hp-train as users run it: the installed script and torchrun, on the shipped corpus."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+
+import pytest
+from hp_runtime.train.config import build_config, load_config
+
+from tests.helpers.run import cli as hp_data
+from tests.helpers.train import hp_train, records, torchrun
+
+EXAMPLE = "examples/train_tiny.toml"
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory, example_corpus, example_tokenizer):
+    """The README's first step: the shipped corpus preprocessed by hp-data."""
+    out = tmp_path_factory.mktemp("data") / "docstrings"
+    done = hp_data(
+        "preprocess",
+        example_corpus,
+        "--out",
+        out,
+        "--tokenizer",
+        example_tokenizer,
+        "--append-eod",
+        "--quiet",
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _overrides(prefix, run, *extra: str) -> list[str]:
+    return [f"data.path={prefix}", f"train.run_dir={run}", "train.cpu_threads=1", *extra]
+
+
+@pytest.mark.slow
+def test_one_process_on_the_shipped_corpus(repo, prefix, tmp_path):
+    run = tmp_path / "run"
+    overrides = _overrides(
+        prefix, run, "train.steps=60", "train.eval_interval=30", "metrics.log_interval=1"
+    )
+    done = hp_train("--config", EXAMPLE, *overrides, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    losses = [r["loss"] for r in records(run)]
+    assert len(losses) == 60
+    assert losses[0] > 8.5  # ln(8192) = 9.01 from a fresh model
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    assert [r["step"] for r in records(run, "validation")] == [30, 60]
+    # the resolved config, written beside the outputs, is the config the run used
+    written = build_config(tomllib.loads((run / "config.toml").read_text()))
+    assert written == load_config(str(repo / EXAMPLE), overrides)
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((run / "tensorboard").iterdir())
+    assert "step 60/60" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_fsdp2_under_torchrun(repo, prefix, tmp_path):
+    run = tmp_path / "run"
+    done = torchrun(
+        2,
+        "--config",
+        EXAMPLE,
+        *_overrides(
+            prefix,
+            run,
+            "parallel.dp_shard=2",
+            "train.steps=30",
+            "train.eval_interval=0",
+            "metrics.log_interval=1",
+        ),
+        cwd=repo,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in records(run)]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0
+    assert done.stdout.count("step 30/30") == 1  # rank 0 alone logs
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["optim.lr_warmup=5"], "optim.lr_warmup: unknown key; did you mean optim.warmup_steps?"),
+        (["train.steps=many"], "train.steps: expected an integer, got 'many'"),
+        (
+            ["train.global_batch_size=12", "train.micro_batch_size=8"],
+            "train.global_batch_size=12 is not a multiple of train.micro_batch_size",
+        ),
+        (["parallel.tp=2"], "world size is 1"),
+    ],
+)
+def test_config_errors_are_one_line(repo, tmp_path, args, message):
+    done = hp_train("--config", EXAMPLE, f"train.run_dir={tmp_path / 'run'}", *args, cwd=repo)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"hp-train: error: {done.stderr[17:].strip()}"]
+    assert message in done.stderr
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def _leftovers(marker: str) -> str:
+    return subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["parallel.tp=4"], "dp_replicate*dp_shard*tp*pp = 1*1*4*1 = 4, but the world size is 2"),
+        (
+            ["parallel.dp_shard=2", "train.global_batch_size=3", "train.micro_batch_size=1"],
+            "train.global_batch_size=3 is not a multiple of train.micro_batch_size x data-parallel "
+            "size = 1 x 2 = 2",
+        ),
+    ],
+)
+def test_layout_errors_under_torchrun(repo, tmp_path, args, message):
+    run = tmp_path / "layout-error-run"
+    done = torchrun(2, "--config", EXAMPLE, f"train.run_dir={run}", *args, cwd=repo)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("hp-train: error:")]
+    assert len(ours) == 1 and message in ours[0], done.stderr[-2000:]
+    assert (
+        "/hp_runtime/" not in done.stderr
+    )  # no traceback through our code (torchrun adds its own report)
+    assert not _leftovers(str(run))  # no rank left running

@@ -1,0 +1,75 @@
+"""The loss is normalised by the loss tokens of the whole global batch, so accumulation and
+layout do not change it: one process with 4 accumulation steps, FSDP 2 with 2, FSDP 2 x PP 2
+(tied embeddings across the stages), TP 2 and PP 3 (whose middle stage reads no data) give
+the same per-step losses and gradient norms (fp32, CPU, SGD).
+
+`eod_mask_loss` makes the number of loss tokens differ between micro-batches; a trainer that
+averaged per micro-batch (or per rank) would fail this test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers.train import corpus_overrides, train_ranks
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def overrides(example_corpus, example_tokenizer, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return [
+        *corpus_overrides(example_corpus, example_tokenizer, cache),
+        "model.tie_embeddings=true",
+        "model.n_layers=3",
+        "model.max_seq_len=64",
+        "data.seq_length=32",
+        "data.eod_mask_loss=true",
+        f"train.steps={STEPS}",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+        "train.max_norm=1.0",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+        "optim.decay_style=constant",
+        f"train.run_dir={tmp_path_factory.mktemp('run')}",
+    ]
+
+
+def _loss_tokens_differ(overrides: list[str]) -> bool:
+    from hp_data.registry import DatasetConfig, build_dataset
+
+    values = dict(item.split("=", 1) for item in overrides)
+    dataset = build_dataset(
+        DatasetConfig(
+            type="json_file",
+            seq_length=32,
+            path=values["data.path"],
+            tokenizer=values["data.tokenizer"],
+            num_samples=4 * STEPS,
+            eod_mask_loss=True,
+            cache_dir=values["data.cache_dir"],
+        )
+    )
+    counts = [float(dataset[i]["loss_mask"].sum()) for i in range(4 * STEPS)]
+    return len(set(counts)) > 1
+
+
+@pytest.mark.slow
+def test_accumulation_and_layouts_give_the_same_losses(overrides, tmp_path):
+    one = train_ranks(1, overrides)[0]
+    assert _loss_tokens_differ(overrides)  # so that the normalisation is really exercised
+    fsdp = train_ranks(2, [*overrides, "parallel.dp_shard=2"])
+    fsdp_pp = train_ranks(
+        4,
+        [*overrides, "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    )
+    tp = train_ranks(2, [*overrides, "parallel.tp=2"])
+    pp3 = train_ranks(3, [*overrides, "parallel.pp=3"])  # 4 micro-batches, one schedule step
+    reference = np.array(one["losses"])
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    for results in (fsdp, fsdp_pp, tp, pp3):
+        for rank in results:
+            np.testing.assert_allclose(rank["losses"], reference, rtol=1e-5, atol=0)
+            np.testing.assert_allclose(rank["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0)
