@@ -2,7 +2,8 @@
 
 Ten optimizer steps with gradient-norm clipping on the same data from the same seed: per-step
 losses and gradient norms within 1e-5 relative and final full parameters within 1e-5 with SGD;
-losses within 1e-3 with AdamW.
+losses within 1e-3 with AdamW for one layout of each kind (the optimizer acts on local shards
+the same way in every layout, and CI's time is better spent on the strict SGD comparison).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ LAYOUTS = {
     "tp2xpp2-tied": (4, {"tp": 2, "pp": 2}, TIED, {"schedule": "gpipe"}),
 }
 
+ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel"}
+
 _single: dict[str, dict] = {}
 
 
@@ -78,8 +81,9 @@ def test_layout_matches_one_process(layout):
     world, dims, overrides, pipeline = LAYOUTS[layout]
     sgd = run_ranks(train, world, dims, "sgd", overrides, pipeline)
     _compare(sgd, single("sgd", overrides), 1e-5, 1e-5)
-    adamw = run_ranks(train, world, dims, "adamw", overrides, pipeline)
-    _compare(adamw, single("adamw", overrides), 1e-3, None)
+    if layout in ADAMW:
+        adamw = run_ranks(train, world, dims, "adamw", overrides, pipeline)
+        _compare(adamw, single("adamw", overrides), 1e-3, None)
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def grad_norm(
         if key is not None:
             mesh, placements = key  # type: ignore[misc]
             for dim, placement in enumerate(placements):
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard and _StridedShard alike
                     dist.all_reduce(squares, group=mesh.get_group(dim))
         total += squares
     if pp_group is not None:
