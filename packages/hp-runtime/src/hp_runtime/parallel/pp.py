@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+
+# Class names in torch.distributed.pipelining.schedules, imported when a schedule is built:
+# that module pulls in torch._dynamo, a second of start-up a run without a pipeline can skip.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
 }
 
 
@@ -84,8 +85,10 @@ def build_schedule(
     """The pipeline schedule over this rank's stages. Gradients are not rescaled
     (`scale_grads=False`): `loss_fn` returns each micro-batch's share of the step's loss, so
     the gradients are those of the sum, as without a pipeline."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     try:
-        kind = SCHEDULES[schedule]
+        kind = getattr(schedules, SCHEDULES[schedule])
     except KeyError:
         raise ValueError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}") from None
     total = pp_mesh.size() * len(stages)
@@ -93,7 +96,7 @@ def build_schedule(
         PipelineStage(module, stage, total, device, group=pp_mesh.get_group())
         for stage, module in stages
     ]
-    if issubclass(kind, PipelineScheduleMulti):
+    if issubclass(kind, schedules.PipelineScheduleMulti):
         return kind(
             pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
         )
