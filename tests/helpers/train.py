@@ -3,6 +3,7 @@ installed `hp-train` script, `torchrun`)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -96,10 +97,31 @@ def torchrun(
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            signal_tree(process.pid, signal.SIGKILL)
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def workers(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun starts its ranks in sessions of their own, so a
+    signal to the launcher's process group does not reach them)."""
+    found, queue = [], [pid]
+    while queue:
+        children = subprocess.run(
+            ["pgrep", "-P", str(queue.pop())], capture_output=True, text=True
+        ).stdout.split()
+        found += map(int, children)
+        queue += map(int, children)
+    return found
+
+
+def signal_tree(pid: int, sig: int, launcher: bool = True) -> None:
+    """Send `sig` to the descendants of `pid` (as a cluster signals every process of a
+    job), and to `pid` itself when `launcher`."""
+    for target in [*workers(pid), *([pid] if launcher else [])]:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(target, sig)
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:

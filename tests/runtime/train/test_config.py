@@ -93,3 +93,9 @@ def test_bad_files_are_one_line(tmp_path):
     wrong = tmp_path / "unknown.toml"
     wrong.write_text("[train]\nstep = 3\n")
     assert "train.step: unknown key; did you mean train.steps?" in _error(path=str(wrong))
+
+
+@pytest.mark.parametrize("name", ["train_tiny.toml", "train_8b.toml"])
+def test_shipped_examples_load(repo, name):
+    config = load_config(str(repo / "examples" / name))
+    assert config.train.steps > 0

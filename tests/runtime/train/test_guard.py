@@ -40,7 +40,7 @@ def test_non_finite_loss_stops_at_its_step(tmp_path):
         "optim.lr, check the data of those samples, or resume from an earlier checkpoint"
     ]
     end = records(run, "end")
-    assert end[0]["status"] == "stopped" and end[0]["step"] <= 3  # not 50 steps later
+    assert end[0]["status"] == "failed" and end[0]["step"] <= 3  # not 50 steps later
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ def _logits(rank: int, world: int, reduce_dtype: str | None, seed: int) -> np.nd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # 2 and 3 were tried too, same order
 def test_fp32_reduction_is_closer_to_one_fp32_process(seed):
     reference = run_ranks(_logits, 1, None, seed)[0]
 

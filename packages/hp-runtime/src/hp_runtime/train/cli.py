@@ -3,6 +3,7 @@
     hp-train --config cfg.toml train.steps=50 optim.lr=3e-4 parallel.dp_shard=2
     torchrun --nproc-per-node 2 -m hp_runtime.train --config cfg.toml parallel.dp_shard=2
     hp-train plot RUN_DIR
+    hp-train export RUN_DIR/checkpoints/step-0001000 --out hf-model [--dtype bfloat16]
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
@@ -26,7 +27,8 @@ def _fail(message: str, code: int, rank: int) -> None:
 
 @click.command(
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog="Every key is listed in docs/training.md. Subcommand: hp-train plot RUN_DIR.",
+    epilog="Every key is listed in docs/training.md. Subcommands: hp-train plot RUN_DIR; "
+    "hp-train export CHECKPOINT --out DIR.",
 )
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.argument("overrides", nargs=-1)
@@ -70,7 +72,37 @@ def plot_command(run_dir: str, out: str | None) -> None:
         _fail(str(exc), 1, 0)
 
 
-SUBCOMMANDS = {"plot": plot_command}
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+@click.command()
+@click.argument("checkpoint", type=str)
+@click.option("--out", required=True, type=str, help="The HF directory to write.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+)
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Per safetensors file.")
+def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -> None:
+    """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF Llama directory."""
+    from hp_runtime.train.hf import export_checkpoint
+
+    try:
+        files = export_checkpoint(checkpoint, out, dtype, _size(max_shard_size))
+    except (TrainError, ValueError) as exc:
+        _fail(str(exc), 1, 0)
+    click.echo(f"wrote {out}: config.json, {', '.join(files)}")
+
+
+SUBCOMMANDS = {"plot": plot_command, "export": export_command}
 
 
 def main(argv: list[str] | None = None) -> None:

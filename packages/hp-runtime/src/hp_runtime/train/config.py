@@ -15,7 +15,7 @@ import math
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from hp_runtime.model import PRESETS, ModelConfig
@@ -99,8 +99,11 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    interval: int = 0  # steps between saves; 0: none
-    resume: str = "auto"
+    interval: int = 0  # steps between saves (and one at the end); 0: none
+    resume: str = "auto"  # "auto": the newest in RUN_DIR; "none": fresh; or a checkpoint path
+    keep: int = 0  # the newest K committed checkpoints stay; 0: all
+    async_save: bool = field(default=False, metadata={"key": "async"})
+    allow_data_change: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +118,7 @@ class MetricsConfig:
 class Config:
     model_preset: str
     model: ModelConfig
+    model_init_from: str | None
     data: DataConfig
     parallel: ParallelConfig
     train: TrainConfig
@@ -133,14 +137,23 @@ SECTIONS: dict[str, type] = {
 }
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """A field's name in TOML (`checkpoint.async` is `async_save` in Python)."""
+    return f.metadata.get("key", f.name)
+
+
 def _key_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
+    return {key_of(f): hints[f.name] for f in fields(cls)}
 
 
 def _all_key_types() -> dict[str, dict[str, Any]]:
     keys = {name: _key_types(cls) for name, cls in SECTIONS.items()}
-    keys["model"] = {"preset": Literal[tuple(PRESETS)], **_key_types(ModelConfig)}
+    keys["model"] = {
+        "preset": Literal[tuple(PRESETS)],
+        "init_from": str | None,
+        **_key_types(ModelConfig),
+    }
     return keys
 
 
@@ -292,9 +305,9 @@ def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     typed = _typed(section, values)
     missing = [
-        f.name
+        key_of(f)
         for f in fields(cls)
-        if f.name not in typed
+        if key_of(f) not in typed
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
@@ -303,7 +316,7 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
             f"{section}.{missing[0]}: required; set it in the config file or as "
             f"{section}.{missing[0]}=VALUE"
         )
-    return cls(**typed)
+    return cls(**{f.name: typed[key_of(f)] for f in fields(cls) if key_of(f) in typed})
 
 
 def build_config(tree: dict[str, Any]) -> Config:
@@ -315,12 +328,13 @@ def build_config(tree: dict[str, Any]) -> Config:
             raise ConfigError(f"{section}: expected a [{section}] table, got {_shown(values)}")
     model_values = _typed("model", tree.get("model", {}))
     preset_name = model_values.pop("preset", "tiny")
+    init_from = model_values.pop("init_from", None)
     try:
         model = dataclasses.replace(PRESETS[preset_name], **model_values)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     sections = {name: _build(name, cls, tree.get(name, {})) for name, cls in SECTIONS.items()}
-    config = Config(model_preset=preset_name, model=model, **sections)
+    config = Config(model_preset=preset_name, model=model, model_init_from=init_from, **sections)
     check(config)
     return config
 
@@ -372,6 +386,7 @@ def check(config: Config) -> None:
     for key in (
         "train.eval_interval",
         "checkpoint.interval",
+        "checkpoint.keep",
         "optim.warmup_steps",
         "train.cpu_threads",
         "data.num_workers",
@@ -400,6 +415,8 @@ def check(config: Config) -> None:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
     if not 0 < optim.wsd_decay_fraction <= 1:
         raise ConfigError("optim.wsd_decay_fraction must be in (0, 1]")
+    if config.train.time_limit < 0:
+        raise ConfigError("train.time_limit must be 0 (none) or a number of seconds")
     if config.train.spike_sigma <= 0:
         raise ConfigError("train.spike_sigma must be positive")
     if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
@@ -421,15 +438,17 @@ def to_toml(config: Config) -> str:
     """The resolved config as TOML that `load_config` reads back to the same `Config` (keys
     whose value is none are written as comments)."""
     lines = ["[model]", f'preset = "{config.model_preset}"']
+    if config.model_init_from is not None:
+        lines.append(f"init_from = {_toml_value(config.model_init_from)}")
     sections: list[tuple[str, Any]] = [("model", config.model)]
     sections += [(name, getattr(config, name)) for name in SECTIONS]
     for name, section in sections:
         if name != "model":
             lines += ["", f"[{name}]"]
-        for field in fields(section):
-            value = getattr(section, field.name)
+        for item in fields(section):
+            value = getattr(section, item.name)
             if value is None:
-                lines.append(f"# {field.name} = (none)")
+                lines.append(f"# {key_of(item)} = (none)")
             else:
-                lines.append(f"{field.name} = {_toml_value(value)}")
+                lines.append(f"{key_of(item)} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from hp_data.errors import HpDataError
+from hp_data.gpt import corpus_fingerprint
 from hp_data.index import SPLITS, parse_split
 from hp_data.registry import DatasetConfig, build_dataset
 from hp_data.sampler import PretrainingSampler
@@ -115,12 +116,33 @@ def _has_valid_split(config: Config) -> bool:
 
 
 def fingerprint(dataset: Any, registry: DatasetConfig) -> dict[str, Any]:
-    """What identifies the samples: the index cache key (corpus, blend, seed, length)."""
+    """What identifies the samples, whatever their number: each corpus's identity (dtype,
+    sequence lengths' hash, .bin size), blend weights, seed, length, split. A resume compares
+    it; the index cache key (which also covers the sample count) is kept for reference."""
+    out: dict[str, Any] = {
+        name: getattr(registry, name)
+        for name in ("type", "seq_length", "seed", "split", "split_shares", "vocab_size")
+    }
+    parts = getattr(dataset, "datasets", [dataset])
+    corpora = [corpus_fingerprint(p.dataset) for p in parts if hasattr(p, "dataset")]
+    if corpora:
+        out["corpora"] = corpora
+    if hasattr(dataset, "weights"):
+        out["weights"] = list(dataset.weights)
     report = getattr(dataset, "cache_report", None)
     if report is not None:
-        return {"key": report["key"], "samples": len(dataset)}
-    fields = ("type", "seq_length", "seed", "vocab_size", "num_samples")
-    return {name: getattr(registry, name) for name in fields}
+        out["index_key"] = report["key"]
+    return out
+
+
+def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two fingerprints describe the same samples (the index keys may differ: they
+    also cover the sample count, which a longer run changes)."""
+
+    def strip(fp: dict[str, Any]) -> dict[str, Any]:
+        return {split: {k: v for k, v in d.items() if k != "index_key"} for split, d in fp.items()}
+
+    return strip(saved) == strip(current)
 
 
 @dataclass

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,8 @@ import torch.distributed as dist
 
 class TrainError(RuntimeError):
     """A run that cannot go on; the message is one line for the user."""
+
+    fallback = False  # whether resuming may try an older checkpoint instead
 
 
 class PeerFailed(TrainError):
@@ -92,3 +97,34 @@ def agree(failure: BaseException | None, runtime: Runtime) -> None:
     if failure is not None and first == runtime.rank:
         raise failure
     raise PeerFailed(f"rank {first} failed")
+
+
+def any_rank(flag: bool, runtime: Runtime) -> bool:
+    """True on every rank if `flag` is True on any (a collective)."""
+    value = torch.tensor([float(flag)], device=runtime.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (a cluster's preemption, Ctrl-C) ask the run to stop after the step
+    in progress; a second SIGINT stops at once. Installed for the run, restored after."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

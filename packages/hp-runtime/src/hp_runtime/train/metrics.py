@@ -70,6 +70,27 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def continue_log(run_dir: str, step: int) -> None:
+    """Make `RUN_DIR/metrics.jsonl` end at `step` (the step a run resumes from): records of
+    later steps, written before the run was stopped or killed, would come again. A fresh run
+    (step 0) starts an empty log."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as stream:
+        for line in stream:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if step and record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w", encoding="utf-8") as stream:
+        stream.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 class LaggedValues:
     """Device scalars of each step copied to the host without waiting; `push` returns the
     previous step's (long finished by then), `flush` the latest at once."""
@@ -122,6 +143,7 @@ class MetricsLog:
         throughput: Throughput,
         tensorboard: bool,
         stream: TextIO | None = None,
+        started: float | None = None,
     ) -> None:
         self.is_main, self.device, self.steps = is_main, device, steps
         self.throughput = throughput
@@ -131,7 +153,7 @@ class MetricsLog:
         self._writer = self._tensorboard(run_dir) if is_main and tensorboard else None
         self._mark_time = time.perf_counter()
         self._mark_step = 0
-        self._started = self._mark_time
+        self._started = started if started is not None else self._mark_time  # elapsed_s from it
 
     def _tensorboard(self, run_dir: str) -> Any:
         try:

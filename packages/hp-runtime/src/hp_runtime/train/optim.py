@@ -36,11 +36,29 @@ def param_groups(
     ]
 
 
-def build_optimizer(
-    modules: Iterable[nn.Module], optim: OptimConfig, tied: bool, device: torch.device
-) -> torch.optim.Optimizer:
-    """The optimizer over `modules`' parameters; the rate is set every step by the loop."""
-    groups = param_groups(modules, optim, tied)
+class Optimizers:
+    """One optimizer per model part (a pipeline rank may hold several stages), stepped
+    together: DCP's optimizer state dict maps one optimizer to one module, by parameter
+    names, which is what lets a checkpoint move between layouts."""
+
+    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.modules, self.optimizers = modules, optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer(module: nn.Module, optim: OptimConfig, tied: bool, device: torch.device):
+    groups = param_groups([module], optim, tied)
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
     fused = device.type == "cuda"
@@ -52,3 +70,10 @@ def build_optimizer(
         fused=fused,
         foreach=not fused,
     )
+
+
+def build_optimizer(
+    modules: list[nn.Module], optim: OptimConfig, tied: bool, device: torch.device
+) -> Optimizers:
+    """The optimizers over `modules`' parameters; the rate is set every step by the loop."""
+    return Optimizers(modules, [_optimizer(m, optim, tied, device) for m in modules])

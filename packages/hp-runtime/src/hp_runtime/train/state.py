@@ -9,18 +9,38 @@ and needs no saving. `checkpoint.py` saves and loads this object as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 from torch import nn
+
+from hp_runtime.train.guard import SpikeGuard
+from hp_runtime.train.optim import Optimizers
 
 
 @dataclass
 class TrainState:
     modules: list[nn.Module]
-    optimizer: torch.optim.Optimizer
+    optimizer: Optimizers
     global_batch_size: int
+    guard: SpikeGuard
     step: int = 0
     consumed_samples: int = 0
+
+    def scalars(self) -> dict[str, Any]:
+        """What is saved beside the tensors (the same on every rank)."""
+        return {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "global_batch_size": self.global_batch_size,
+            "guard": {"losses": list(self.guard.losses), "norms": list(self.guard.norms)},
+        }
+
+    def load_scalars(self, saved: dict[str, Any]) -> None:
+        self.step, self.consumed_samples = saved["step"], saved["consumed_samples"]
+        self.guard.losses.clear()
+        self.guard.norms.clear()
+        self.guard.losses.extend(saved["guard"]["losses"])
+        self.guard.norms.extend(saved["guard"]["norms"])
 
     def advance(self) -> None:
         """One optimizer step done (or skipped) on one global batch."""

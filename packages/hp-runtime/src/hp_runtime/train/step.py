@@ -78,21 +78,28 @@ class Stepper:
                 stack.enter_context(loss_parallel())
             yield
 
-    def _tokens(self, micro: list[Batch]) -> torch.Tensor:
-        """Loss tokens of the global batch (on the last stage; 1 elsewhere)."""
+    def _tokens(self, micro: list[Batch]) -> tuple[torch.Tensor, dist.Work | None]:
+        """Loss tokens of the global batch (on the last stage; 1 elsewhere), summed over the
+        data-parallel ranks by an all-reduce that is still in flight: wait on the handle."""
         if not self.assembly.has_last_stage:
-            return torch.ones((), device=self.device)
+            return torch.ones((), device=self.device), None
         count = torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float()
-        if self.assembly.dp_group is not None:
-            dist.all_reduce(count, group=self.assembly.dp_group)
-        return count.clamp(min=1.0)
+        if self.assembly.dp_group is None:
+            return count, None
+        return count, dist.all_reduce(count, group=self.assembly.dp_group, async_op=True)
 
-    def _forward(self, mb: Batch) -> torch.Tensor:
-        model = self.assembly.model
+    def _set_scale(self, count: torch.Tensor, work: dist.Work | None) -> None:
+        if work is not None:
+            work.wait()
+        self.loss_fn.scale = self.assembly.dp_size / count.clamp(min=1.0)
+
+    def _logits(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
         positions = mb["position_ids"] if self.use_positions else None
-        logits = model(mb["tokens"], positions, document_masking=self.document_masking)
-        return self.loss_fn(logits, labels)
+        logits = self.assembly.model(
+            mb["tokens"], positions, document_masking=self.document_masking
+        )
+        return logits, labels
 
     def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
         """`count` micro-batches through the schedule, `pp_microbatches` per schedule step.
@@ -114,28 +121,37 @@ class Stepper:
                 total = total + loss.detach()
         return total
 
-    def _global(self, local: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks of the reporting ranks' values (the same on every rank)."""
+    def _global(self, local: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum over ranks of the reporting ranks' values (the same on every rank), followed
+        by the sum of every rank's `shared` values, in one all-reduce."""
         value = local if self.reports else torch.zeros_like(local)
+        if shared is not None:
+            value = torch.cat([value.reshape(-1), shared.reshape(-1)])
         dist.all_reduce(value)
         return value
 
-    def train_step(self, micro: list[Batch], count: int) -> torch.Tensor:
+    def train_step(self, micro: list[Batch], count: int, flag: float = 0.0) -> torch.Tensor:
         """Forward and backward of the global batch: this rank's `count` micro-batches
-        (`micro`, empty on a rank that reads no data). Returns the global loss; gradients are
-        left for `Assembly.finish_gradients`."""
+        (`micro`, empty on a rank that reads no data). Returns [global loss, sum of every
+        rank's `flag`] (a stop request travels with the loss: no collective of its own);
+        gradients are left for `Assembly.finish_gradients`."""
         a = self.assembly
-        self.loss_fn.scale = a.dp_size / self._tokens(micro)
+        tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
+                self._set_scale(tokens, work)
                 local = self._pipeline(micro, count, backward=True)
             else:
                 local = torch.zeros((), device=self.device)
-                for mb in micro:
-                    loss = self._forward(mb)
+                for i, mb in enumerate(micro):
+                    logits, labels = self._logits(mb)
+                    if i == 0:  # the count's all-reduce ran during the first forward
+                        self._set_scale(tokens, work)
+                    loss = self.loss_fn(logits, labels)
                     loss.backward()
                     local = local + loss.detach()
-        return self._global(local / a.dp_size)
+        shared = torch.full((), flag, device=self.device)
+        return self._global((local / a.dp_size).float(), shared)
 
     @torch.no_grad()
     def eval_sums(self, micro: list[Batch], count: int) -> torch.Tensor:
@@ -148,7 +164,7 @@ class Stepper:
             if a.schedule is not None:
                 summed = self._pipeline(micro, count, backward=False)
             else:
-                summed = sum((self._forward(mb) for mb in micro), zero)
+                summed = sum((self.loss_fn(*self._logits(mb)) for mb in micro), zero)
         tokens = sum((mb["loss_mask"].sum().float() for mb in micro), zero)
         return torch.stack([summed.float(), tokens if a.has_last_stage else zero])
 

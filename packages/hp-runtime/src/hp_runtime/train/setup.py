@@ -1,0 +1,288 @@
+"""A rank's set-up for a run: the layout checked, the model assembled, the data, the
+optimizer, a checkpoint resumed (or HF weights loaded), the loaders and the metrics log.
+`loop.train` calls `setup` and then runs the steps."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from hp_runtime import __version__
+from hp_runtime.parallel import Assembly, ParallelDims, ParallelOptions, assemble
+from hp_runtime.train.checkpoint import Checkpointer, check_compatible, load, read_meta
+from hp_runtime.train.config import Config, ConfigError, to_toml
+from hp_runtime.train.data import (
+    BatchPlan,
+    Datasets,
+    Loader,
+    batch_plan,
+    build_datasets,
+    default_workers,
+    pp_microbatches,
+)
+from hp_runtime.train.guard import SpikeGuard
+from hp_runtime.train.hf import init_from_hf
+from hp_runtime.train.launch import Runtime, TrainError, agree, any_rank
+from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
+from hp_runtime.train.optim import build_optimizer
+from hp_runtime.train.state import TrainState
+from hp_runtime.train.step import Stepper, TokenLoss
+
+
+def precision(
+    config: Config, device: torch.device
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(FSDP compute dtype, autocast dtype): bf16 on GPU by default, through FSDP's
+    mixed-precision policy when parameters are sharded, else through autocast."""
+    mode = config.train.mixed_precision
+    if not (mode == "bf16" or (mode == "auto" and device.type == "cuda")):
+        return torch.float32, None
+    sharded = config.parallel.dp_replicate * config.parallel.dp_shard > 1
+    return (torch.bfloat16, None) if sharded else (None, torch.bfloat16)
+
+
+def _dims(config: Config) -> ParallelDims:
+    p = config.parallel
+    return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp)
+
+
+def check_layout(config: Config, runtime: Runtime) -> BatchPlan:
+    """Errors every rank finds alike, before any work: the layout against the world size."""
+    p = config.parallel
+    try:
+        _dims(config).validate(runtime.world_size, config.model)
+    except ValueError as exc:
+        raise ConfigError(
+            f"parallel: {exc} (set parallel.dp_shard, tp, pp, dp_replicate)"
+        ) from None
+    if p.loss_parallel and p.tp == 1:
+        raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
+    if p.pp == 1 and p.pp_virtual_stages > 1:
+        raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    return batch_plan(config)
+
+
+def build_assembly(
+    config: Config, runtime: Runtime, plan: BatchPlan, loss_fn: TokenLoss
+) -> Assembly:
+    p = config.parallel
+    options = ParallelOptions(
+        pp_schedule=p.pp_schedule,
+        pp_microbatches=pp_microbatches(config, plan),
+        pp_virtual_stages=p.pp_virtual_stages,
+        loss_parallel=p.loss_parallel,
+        activation_checkpointing=None
+        if p.activation_checkpointing == "none"
+        else p.activation_checkpointing,
+        ac_every=p.ac_every,
+        compile_blocks=p.compile,
+        tp_reduce_dtype=getattr(torch, p.tp_reduce_dtype) if p.tp_reduce_dtype else None,
+        param_dtype=precision(config, runtime.device)[0],
+    )
+    return assemble(
+        config.model,
+        _dims(config),
+        runtime.device,
+        seed=config.train.seed,
+        options=options,
+        loss_fn=loss_fn,
+    )
+
+
+def write_config(config: Config, run_dir: str) -> None:
+    """RUN_DIR/config.toml, the resolved config, written whole or not at all."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.toml")
+    with open(path + ".tmp", "w", encoding="utf-8") as stream:
+        stream.write(to_toml(config))
+    os.replace(path + ".tmp", path)
+
+
+def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
+    d = config.data
+    return {
+        "hp_runtime": __version__,
+        "config": to_toml(config),
+        "data": {
+            "fingerprint": datasets.fingerprint,
+            "config": {
+                k: getattr(d, k)
+                for k in ("type", "path", "valid_path", "split", "seed", "seq_length")
+            },
+        },
+    }
+
+
+def resume(
+    checkpointer: Checkpointer,
+    state: TrainState,
+    config: Config,
+    datasets: Datasets,
+    runtime: Runtime,
+    say: Any,
+) -> str | None:
+    """Load the checkpoint `checkpoint.resume` names; the newest of a run falls back to the
+    one before when it cannot be loaded (never silently to a fresh start)."""
+    failures = []
+    for path in checkpointer.candidates():
+        failure = None
+        try:
+            meta = read_meta(path)
+            check_compatible(
+                meta,
+                path,
+                config,
+                state.global_batch_size,
+                datasets.fingerprint,
+                say if runtime.is_main else lambda _: None,
+            )
+            load(path, state, runtime, meta)
+        except TrainError as exc:
+            if not exc.fallback:  # a run that does not fit the checkpoint: the user decides
+                raise
+            failure = exc
+        if not any_rank(failure is not None, runtime):
+            return path
+        failures.append(str(failure or "another rank could not load it"))
+        say(f"hp-train: warning: {failures[-1]}; trying the checkpoint before it")
+    if failures:
+        raise TrainError(f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}")
+    return None
+
+
+@dataclass
+class Run:
+    """A rank's set-up: everything the loop touches."""
+
+    assembly: Assembly
+    state: TrainState
+    plan: BatchPlan
+    stepper: Stepper
+    loader: Loader | None
+    valid_loader: Loader | None
+    metrics: MetricsLog
+    checkpointer: Checkpointer
+    meta: dict[str, Any]
+    resumed_from: str | None
+
+
+def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
+    t = config.train
+    plan = check_layout(config, runtime)
+    if runtime.is_main:
+        write_config(config, t.run_dir)
+        print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
+        print(to_toml(config), file=stream, flush=True)
+    torch.manual_seed(t.seed)
+    loss_fn = TokenLoss(runtime.device)
+    failure = None
+    try:
+        assembly = build_assembly(config, runtime, plan, loss_fn)
+    except ValueError as exc:  # e.g. a schedule that cannot take this many micro-batches
+        failure = TrainError(f"parallel: {exc}")
+    agree(failure, runtime)
+    reads = assembly.has_first_stage or assembly.has_last_stage
+    datasets = build_datasets(config, plan, runtime, reads, t.run_dir)
+    optimizer = build_optimizer(
+        assembly.modules, config.optim, config.model.tie_embeddings, runtime.device
+    )
+    guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
+    state = TrainState(assembly.modules, optimizer, plan.global_batch_size, guard)
+
+    def say(line: str) -> None:
+        if runtime.is_main:
+            print(line, file=stream, flush=True)
+
+    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime)
+    checkpointer.clean()
+    load_start = time.perf_counter()
+    resumed = resume(checkpointer, state, config, datasets, runtime, say)
+    load_seconds = time.perf_counter() - load_start
+    if resumed is not None:
+        say(
+            f"hp-train: resumed from {resumed} at step {state.step} "
+            f"({state.consumed_samples} samples consumed) in {load_seconds:.2f} s"
+        )
+    elif config.model_init_from is not None:
+        failure = None
+        try:
+            init_from_hf(assembly.modules, config.model, config.model_init_from)
+        except TrainError as exc:
+            failure = exc
+        agree(failure, runtime)
+        say(f"hp-train: initialised from {config.model_init_from}")
+    if runtime.is_main:
+        continue_log(t.run_dir, state.step)
+    loader = valid_loader = None
+    if reads and state.step < t.steps:  # a finished run resumed has nothing left to read
+        loader = Loader(
+            datasets.train,
+            plan,
+            assembly.dp_rank,
+            state.consumed_samples,
+            runtime.device,
+            default_workers(config),
+            config.data.prefetch_factor,
+        )
+        if datasets.valid is not None:
+            valid_loader = Loader(
+                datasets.valid, plan, assembly.dp_rank, 0, runtime.device, 0, 2, background=False
+            )
+    stepper = Stepper(
+        assembly,
+        loss_fn,
+        pp_microbatches(config, plan),
+        precision(config, runtime.device)[1],
+        config.parallel.loss_parallel,
+        config.data.reset_position_ids,
+        config.data.document_masking,
+    )
+    seq = config.data.seq_length
+    throughput = Throughput(
+        plan.global_batch_size * seq,
+        runtime.world_size,
+        config.model.flops_per_token(seq),
+        peak_tflops(runtime.device, config.metrics.peak_tflops),
+    )
+    metrics = MetricsLog(
+        t.run_dir,
+        runtime.is_main,
+        runtime.device,
+        t.steps,
+        throughput,
+        config.metrics.tensorboard,
+        stream,
+        started,
+    )
+    if resumed is not None:
+        metrics.write(
+            {
+                "kind": "resume",
+                "step": state.step,
+                "path": resumed,
+                "load_s": load_seconds,
+                "world_size": runtime.world_size,
+            }
+        )
+    metrics.say(
+        f"hp-train: {config.model.num_params() / 1e6:.1f}M parameters | {runtime.world_size} "
+        f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
+        f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
+        f"accumulation | {t.steps} steps | data ready in {datasets.build_seconds:.2f} s"
+    )
+    return Run(
+        assembly,
+        state,
+        plan,
+        stepper,
+        loader,
+        valid_loader,
+        metrics,
+        checkpointer,
+        checkpoint_meta(config, datasets),
+        resumed,
+    )
