@@ -1,0 +1,107 @@
+"""hp-train checkpoints: save and load time, sync against async, resume-to-first-step.
+
+For each model (`small`, `125m`), one process on CPU trains a few steps three times: without
+checkpoints, with a synchronous save every `--interval` steps, and with asynchronous saves;
+then resumes from the last checkpoint. Read from each run's metrics.jsonl:
+
+- save: the seconds a step boundary is blocked by a save (sync: the whole save; async: copying
+  the tensors to host memory before the background write);
+- async cost: the extra wall time of the steps that run while a background write is in flight,
+  as a share of a normal step;
+- load and resume-to-first-step: the seconds to load the checkpoint, and from the start of the
+  run (after imports) to the end of its first step, fresh and resumed.
+
+    uv run python tools/bench/bench_checkpoint.py [--models small,125m] [--steps 9] [--interval 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def run(run_dir: Path, model: str, steps: int, *extra: str) -> list[dict]:
+    command = [
+        str(BIN / "hp-train"), f"model.preset={model}", "data.type=dummy", "data.seq_length=256",
+        "model.max_seq_len=256", "train.micro_batch_size=2", f"train.steps={steps}",
+        "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
+        "data.num_workers=0", f"train.run_dir={run_dir}", *extra,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def step_seconds(records: list[dict]) -> dict[int, float]:
+    """Wall seconds of each step after the first, from consecutive train records."""
+    train = [r for r in records if r["kind"] == "train"]
+    return {b["step"]: b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(train)}
+
+
+def measure(model: str, steps: int, interval: int, work: Path) -> dict[str, float]:
+    plain = run(work / f"{model}-plain", model, steps)
+    sync = run(work / f"{model}-sync", model, steps, f"checkpoint.interval={interval}")
+    asynchronous = run(
+        work / f"{model}-async", model, steps, f"checkpoint.interval={interval}",
+        "checkpoint.async=true",
+    )  # fmt: skip
+    normal = statistics.median(step_seconds(plain).values())
+    saves = [r for r in sync if r["kind"] == "checkpoint"]
+    async_saves = [r for r in asynchronous if r["kind"] == "checkpoint"]
+    # the step after each async save (but the last) runs beside the background write
+    overlapped = step_seconds(asynchronous)
+    during = [overlapped[r["step"] + 1] for r in async_saves if r["step"] + 1 in overlapped]
+    resumed = run(work / f"{model}-sync", model, steps + 1, f"checkpoint.interval={interval}")
+    resume = next(r for r in resumed if r["kind"] == "resume")
+    first_resumed = next(r for r in resumed if r["kind"] == "train" and r["step"] == steps + 1)
+    first_fresh = next(r for r in plain if r["kind"] == "train")
+    return {
+        "step_s": normal,
+        "save_sync_s": statistics.median(r["seconds"] for r in saves),
+        "save_async_blocking_s": statistics.median(r["seconds"] for r in async_saves),
+        "async_cost_pct": 100 * (statistics.median(during) - normal) / normal if during else 0,
+        "load_s": resume["load_s"],
+        "first_step_fresh_s": first_fresh["elapsed_s"],
+        "first_step_resumed_s": first_resumed["elapsed_s"],
+        "checkpoint_mb": sum(
+            f.stat().st_size for f in (work / f"{model}-sync" / "checkpoints").rglob("*")
+            if f.is_file()
+        ) / 1e6 / len(list((work / f"{model}-sync" / "checkpoints").iterdir())),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="small,125m")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--interval", type=int, default=3)
+    args = parser.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as work:
+        for model in args.models.split(","):
+            rows[model] = measure(model, args.steps, args.interval, Path(work))
+            print(f"  {model}: {rows[model]}", flush=True)
+    print("one process on CPU, micro-batch 2 x 256 tokens, AdamW (model + 2 moments saved)")
+    header = ["model", "ckpt MB", "step s", "sync save s", "async block s", "async cost",
+              "load s", "1st step fresh s", "1st step resumed s"]  # fmt: skip
+    print(" | ".join(header))
+    for model, r in rows.items():
+        print(
+            f"{model} | {r['checkpoint_mb']:.0f} | {r['step_s']:.2f} | {r['save_sync_s']:.2f} | "
+            f"{r['save_async_blocking_s']:.2f} | {r['async_cost_pct']:.0f}% of a step | "
+            f"{r['load_s']:.2f} | {r['first_step_fresh_s']:.2f} | {r['first_step_resumed_s']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

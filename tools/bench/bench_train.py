@@ -1,0 +1,176 @@
+"""hp-train against a plain PyTorch FSDP2 training loop, side by side in one run.
+
+Both train the `small` model on the shipped corpus (preprocessed here), 2 ranks on CPU with
+gloo and one thread each, the same global batch, the same number of steps. The plain loop is
+written below the way a torchtitan/nanoGPT user would write it: the same Transformer, FSDP2 per
+block and at the root, AdamW, clip_grad_norm_, a DataLoader with one worker over the same
+GPTDataset. Tokens/s are taken in steady state (after the warm-up steps) from hp-train's
+metrics.jsonl and from the loop's own clock. The two alternate `--rounds` times and the medians
+are compared: on a shared 2-core machine single runs swing by about 5%.
+
+    uv run python tools/bench/bench_train.py [--steps 30] [--warmup 5] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def plain_loop(args: argparse.Namespace) -> None:
+    """One rank of the plain FSDP2 loop (run under torchrun)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from hp_data.registry import DatasetConfig, build_dataset
+    from hp_data.sampler import PretrainingSampler
+    from hp_data.torch import make_dataloader
+    from hp_runtime.model import Transformer, init_weights, preset
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    config = preset("small", max_seq_len=args.seq)
+    with torch.device("meta"):
+        model = Transformer(config)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+    dataset = build_dataset(
+        DatasetConfig(
+            type="megatron",
+            seq_length=args.seq,
+            path=args.prefix,
+            split_shares="1,0,0",
+            num_samples=args.steps * args.mbs * world,
+            cache_dir=args.cache,
+        )
+    )
+    sampler = PretrainingSampler(len(dataset), 0, args.mbs, rank, world)
+    batches = iter(make_dataloader(dataset, sampler, num_workers=1))
+    start = None
+    for step in range(1, args.steps + 1):
+        if step == args.warmup + 1:
+            dist.barrier()
+            start = time.perf_counter()
+        batch = next(batches)
+        logits = model(batch["tokens"])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss.detach())  # what a loop logs; hp-train reduces its loss each step
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        tokens = (args.steps - args.warmup) * args.mbs * world * args.seq
+        print(json.dumps({"tokens_per_s": tokens / seconds}))
+    dist.destroy_process_group()
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+    return done
+
+
+def run_hp(args: argparse.Namespace, run_dir: str) -> dict[str, float]:
+    torchrun(
+        "-m", "hp_runtime.train",
+        "model.preset=small", f"model.max_seq_len={args.seq}",
+        "data.type=megatron", f"data.path={args.prefix}", "data.split=1,0,0",
+        f"data.seq_length={args.seq}", f"data.cache_dir={args.cache}",
+        "parallel.dp_shard=2", f"train.steps={args.steps}",
+        f"train.micro_batch_size={args.mbs}", "train.cpu_threads=1",
+        f"train.run_dir={run_dir}", "optim.lr=3e-4", f"metrics.log_interval={args.warmup}",
+        "metrics.plot=false", "metrics.tensorboard=false",
+    )  # fmt: skip
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    first = next(r for r in steps if r["step"] == args.warmup)
+    last = steps[-1]
+    tokens = (last["step"] - first["step"]) * args.mbs * 2 * args.seq
+    steady = [r for r in steps if r["step"] > args.warmup]
+    return {
+        "tokens_per_s": tokens / (last["elapsed_s"] - first["elapsed_s"]),
+        "data_wait_pct": max(r["data_wait_pct"] for r in steady),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5, help="also hp-train's log interval")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain:
+        plain_loop(args)
+        return
+    with tempfile.TemporaryDirectory() as work:
+        args.prefix, args.cache = f"{work}/docstrings", f"{work}/cache"
+        subprocess.run(
+            [str(BIN / "hp-data"), "preprocess", str(REPO / "examples/docstrings.jsonl"),
+             "--out", args.prefix, "--tokenizer", str(REPO / "examples/tokenizer.json"),
+             "--append-eod", "--quiet"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        print(
+            f"small model, 2 ranks x 1 thread (CPU, gloo), global batch {2 * args.mbs} x "
+            f"{args.seq} tokens, {args.steps} steps, steady state after {args.warmup}"
+        )
+        results: dict[str, list[dict[str, float]]] = {"hp": [], "plain": []}
+        for _ in range(args.rounds):
+            results["hp"].append(run_hp(args, f"{work}/run-{time.monotonic_ns()}"))
+            done = torchrun(
+                __file__, "--plain", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                f"--seq={args.seq}", f"--mbs={args.mbs}", f"--prefix={args.prefix}",
+                f"--cache={args.cache}",
+            )  # fmt: skip
+            results["plain"].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(
+                "  round: hp {:.0f}, plain {:.0f} tokens/s".format(
+                    results["hp"][-1]["tokens_per_s"], results["plain"][-1]["tokens_per_s"]
+                ),
+                flush=True,
+            )
+        hp = {
+            key: statistics.median(r[key] for r in results["hp"])
+            for key in ("tokens_per_s", "data_wait_pct")
+        }
+        plain = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in results["plain"])}
+        print(f"medians of {args.rounds} rounds")
+        print(f"{'':24}{'hp-train':>12}{'plain FSDP2':>14}{'ratio':>8}")
+        print(
+            f"{'tokens/s (steady)':24}{hp['tokens_per_s']:12.0f}{plain['tokens_per_s']:14.0f}"
+            f"{hp['tokens_per_s'] / plain['tokens_per_s']:8.3f}"
+        )
+        print(f"{'data wait, max % of step':24}{hp['data_wait_pct']:12.2f}")
+
+
+if __name__ == "__main__":
+    main()
