@@ -208,7 +208,7 @@ def test_help_documents_every_option_with_its_default():
     for default in (
         "[default: text]",
         "[default: train]",
-        "[default: 1.0; x>=0.01]",
+        "[default: 1.0; 0.01<=x<=1048576]",
         "[default: all cores",
         "[default: off]",
         "[default: uint16 if the vocabulary fits, else int32]",

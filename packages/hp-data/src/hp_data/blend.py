@@ -58,6 +58,8 @@ def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
             raise HpDataError(f"--data-path: weight {weight!r} of {prefix} must be positive")
         weights.append(value)
         prefixes.append(str(prefix))
+    if not math.isfinite(sum(weights)):
+        raise HpDataError("--data-path: the weights' sum overflows; scale them down")
     return prefixes, weights
 
 
@@ -156,8 +158,20 @@ def build_datasets(
     `blend_per_split` (one spec per split, each used whole). Unweighted blends of several
     prefixes are not supported: give weights.
     """
+    if len(num_samples) > len(SPLITS):
+        raise HpDataError(
+            f"{len(num_samples)} sample counts given; give up to three: train, valid, test"
+        )
+    for split, size in zip(SPLITS, num_samples, strict=False):
+        if size is not None and size < 0:
+            raise HpDataError(f"{split} sample count {size} is negative")
     num_samples = list(num_samples) + [None] * (3 - len(num_samples))
     if blend_per_split is not None:
+        if len(blend_per_split) != len(SPLITS):
+            raise HpDataError(
+                f"blend_per_split has {len(blend_per_split)} entries; give three (train, "
+                "valid, test), None for a split without data"
+            )
         out: list[GPTDataset | BlendableDataset | None] = []
         for split, spec, size in zip(SPLITS, blend_per_split, num_samples, strict=True):
             if spec is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -12,7 +13,7 @@ from hp_data.blend import build_datasets, build_report
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
-from hp_data.gpt import GPTDatasetConfig
+from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
 from hp_data.readers import FORMATS
 from hp_data.summary import format_report, summarize
@@ -30,6 +31,13 @@ class _Group(click.Group):
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             raise click.ClickException(f"{where}{exc.strerror or exc}") from None
+
+
+def _finite(param: click.Parameter, value: float) -> float:
+    """click's FloatRange lets NaN through (every comparison with it is false)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number", param=param)
+    return value
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -185,7 +193,8 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
 )
 @click.option(
     "--chunk-mb",
-    type=click.FloatRange(min=0.01),
+    type=click.FloatRange(min=0.01, max=1 << 20),
+    callback=lambda ctx, param, value: _finite(param, value),
     default=1.0,
     show_default=True,
     help="Input per work unit, in MB.",
@@ -245,8 +254,19 @@ def preprocess_command(
     help="A dataset prefix, or weighted prefixes '0.3 /data/a 0.7 /data/b' "
     "(quoted, or the option repeated).",
 )
-@click.option("--seq-len", type=click.IntRange(min=2), required=True, help="Sequence length L.")
-@click.option("--seed", type=int, default=1234, show_default=True, help="Random seed.")
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=2, max=MAX_SEQ_LENGTH),
+    required=True,
+    help="Sequence length L.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=1234,
+    show_default=True,
+    help="Random seed.",
+)
 @click.option(
     "--num-samples",
     default=None,
@@ -284,7 +304,11 @@ def build_index(
         try:
             values = [int(v) for v in num_samples.split(",")]
         except ValueError:
-            raise click.UsageError(f"--num-samples {num_samples!r}: give N or N,NV,NT") from None
+            values = []
+        if not 1 <= len(values) <= 3 or min(values) < 0:
+            raise click.UsageError(
+                f"--num-samples {num_samples!r}: give N or N,NV,NT, each 0 or more"
+            )
         counts[: len(values)] = values
     config = GPTDatasetConfig(
         seq_length=seq_len,

@@ -20,6 +20,7 @@ from hp_data.format.reader import IndexedDataset
 from hp_data.index import SPLITS, IndexBuildError, build_gpt_indices, parse_split, split_ranges
 
 PAD_TOKEN = -1  # megatron-core's _PAD_TOKEN_ID: never a real id, zeroed in the item
+MAX_SEQ_LENGTH = 2**31 - 2  # a sample of L + 1 tokens still counts in int32
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,17 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     return_cu_seqlens: bool = False
     cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        # Refused here, by name, rather than deep inside numpy (a seed numpy's RandomState
+        # rejects) or numba (a length beyond int64).
+        if not 1 <= self.seq_length <= MAX_SEQ_LENGTH:
+            raise IndexBuildError(
+                f"seq_length {self.seq_length}: give a length from 1 to {MAX_SEQ_LENGTH:,}"
+            )
+        if not 0 <= self.seed < 2**32:
+            raise IndexBuildError(f"seed {self.seed}: give a seed from 0 to 2**32 - 1")
+        parse_split(self.split)
 
 
 def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:

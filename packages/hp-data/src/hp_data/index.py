@@ -31,14 +31,25 @@ class IndexBuildError(HpDataError):
 
 def parse_split(split: str | Sequence[float]) -> list[float]:
     """`"969,30,1"` (or numbers) -> normalised train/valid/test shares, as Megatron parses."""
+    message = f"split {split!r}: give up to three non-negative shares, not all zero, e.g. 969,30,1"
     if isinstance(split, str):
-        values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+        # megatron-core reads every run of digits and dots, so that "-1,2,3" is 1,2,3; hp
+        # takes the same separators but refuses what is not a plain number.
+        pieces = re.split(r"[\s,/]+", split.strip())
+        if not all(re.fullmatch(r"\d+\.?\d*|\.\d+", piece) for piece in pieces):
+            raise IndexBuildError(message)
     else:
-        values = [float(v) for v in split]
-    if len(values) > len(SPLITS) or any(v < 0 for v in values) or not any(values):
-        raise IndexBuildError(
-            f"split {split!r}: give up to three non-negative shares, not all zero, e.g. 969,30,1"
-        )
+        pieces = list(split)
+    try:
+        values = [float(v) for v in pieces]
+    except (TypeError, ValueError):
+        raise IndexBuildError(message) from None
+    if (
+        len(values) > len(SPLITS)
+        or not all(math.isfinite(v) and v >= 0 for v in values)
+        or not any(values)
+    ):
+        raise IndexBuildError(message)
     values += [0.0] * (len(SPLITS) - len(values))
     weights = np.array(values, dtype=np.float64)
     return (weights / weights.sum()).tolist()

@@ -67,6 +67,11 @@ class PreprocessOptions:
 
 def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
     """`PREFIX` for one key; Megatron's `PREFIX_{key}_document` for each of several."""
+    if not os.path.basename(prefix_of(out_prefix)):
+        raise PreprocessError(
+            f"--out {out_prefix!r}: the prefix needs a file name, e.g. out/corpus "
+            "(writes out/corpus.bin and out/corpus.idx)"
+        )
     out_prefix = prefix_of(out_prefix)
     if len(keys) == 1:
         return {keys[0]: out_prefix}

@@ -169,4 +169,6 @@ def build_dataset(config: DatasetConfig) -> Any:
             f"unknown dataset type {config.type!r}; choose one of {', '.join(DATASET_REGISTRY)}"
         ) from None
     _split_of(config)
+    if not 0 <= config.seed < 2**32:
+        raise HpDataError(f"seed {config.seed}: give a seed from 0 to 2**32 - 1")
     return factory(config)
