@@ -145,9 +145,27 @@ def test_load_state_dict_rejects_bad_state():
     sampler = PretrainingSampler(30, 0, 2, 0, 2)
     with pytest.raises(ValueError, match="expected 'consumed_samples'"):
         sampler.load_state_dict({"consumed": 4})
-    with pytest.raises(ValueError, match="consumed_samples=30: no samples left"):
-        sampler.load_state_dict({"consumed_samples": 30})
+    with pytest.raises(ValueError, match="consumed_samples=31: more than total_samples=30"):
+        sampler.load_state_dict({"consumed_samples": 31})
     assert sampler.consumed_samples == 0
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_finished_pass_loads_back_and_continues_on_more_data(drop_last):
+    # 30 samples, global batch 4: 7 full batches (and a tail of 2 without drop_last).
+    ranks = samplers(30, 0, 2, 2, drop_last)
+    for sampler in ranks:
+        list(sampler)
+    end = ranks[0].state_dict()
+    assert end == {"consumed_samples": 30 if not drop_last else 28}
+    for rank, sampler in enumerate(ranks):
+        sampler.load_state_dict({"consumed_samples": 30})
+        assert len(sampler) == 0 and list(sampler) == []
+        # The same state on a second epoch's worth of samples continues from sample 30, as
+        # one uninterrupted pass over 60 would.
+        longer = PretrainingSampler(60, 0, 2, rank, 2, drop_last)
+        longer.load_state_dict({"consumed_samples": 30})
+        assert list(longer) == reference(60, 30, 2, rank, 2, drop_last)
 
 
 def test_huge_dataset_is_not_materialised():
@@ -164,8 +182,7 @@ def test_huge_dataset_is_not_materialised():
         ({"total_samples": 0}, "total_samples=0"),
         ({"total_samples": -3}, "total_samples=-3"),
         ({"consumed_samples": -1}, "consumed_samples=-1: must be >= 0"),
-        ({"consumed_samples": 10}, "consumed_samples=10: no samples left of total_samples=10"),
-        ({"consumed_samples": 11}, "consumed_samples=11: no samples left"),
+        ({"consumed_samples": 11}, "consumed_samples=11: more than total_samples=10"),
         ({"micro_batch_size": 0}, "micro_batch_size=0: must be at least 1"),
         ({"data_parallel_size": 0}, "data_parallel_size=0: must be at least 1"),
         ({"data_parallel_rank": 2}, "data_parallel_rank=2: must be in [0, data_parallel_size=2)"),

@@ -122,6 +122,29 @@ def test_hf_tokenizer_dir_names_eos_and_bos(tmp_path, example_tokenizer):
     assert IndexedDataset(tmp_path / "o2")[0].tolist()[-1] == bos
 
 
+def test_a_configured_eos_token_missing_from_the_vocabulary_is_an_error(
+    tmp_path, example_tokenizer
+):
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes(example_tokenizer.read_bytes())
+    config = directory / "tokenizer_config.json"
+    config.write_text(json.dumps({"eos_token": "</s>"}))
+    assert Tokenizer.from_file(str(example_tokenizer)).token_to_id("</s>") is None
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    args = ["preprocess", str(corpus), "--out", str(tmp_path / "out"), "--append-eod", "--quiet"]
+    result = cli(*args, "--tokenizer", str(directory))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"Error: {config}: eos_token '</s>' is not in the vocabulary of "
+        f"{directory / 'tokenizer.json'}; correct it or name the token with --eod-token"
+    )
+    assert not list(tmp_path.glob("out*"))
+    # Named on the command line, the run goes through.
+    ok = cli(*args, "--tokenizer", str(directory), "--eod-token", "<|endoftext|>")
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_keep_empty_writes_documents_without_sequences(tmp_path, example_tokenizer):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "a b"}, {"text": ""}, {"text": "c"}])
     skipped = run_preprocess([corpus], tmp_path / "skip", example_tokenizer, append_eod=True)

@@ -16,6 +16,11 @@ Megatron's tail rule, kept as is: with `drop_last=False` the final, incomplete g
 still sliced `[r * mbs, (r + 1) * mbs)`, so a rank past its end gets an empty list. Every rank
 thus yields the same number of micro-batches and stays in step with the others.
 
+A finished pass (`consumed_samples == total_samples`) is a valid state: it yields nothing and
+loads back, so a trainer that checkpoints at the end of its data can resume it on a larger
+`total_samples` (more epochs, a bigger dataset) and carry on from the same sample. Megatron
+asserts `consumed_samples < total_samples` instead. A count beyond `total_samples` is refused.
+
 No torch here: the sampler is plain Python and works as a DataLoader `batch_sampler`.
 """
 
@@ -69,10 +74,10 @@ class PretrainingSampler:
     def _check_consumed(self, consumed_samples: int) -> int:
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples={consumed_samples}: must be >= 0")
-        if consumed_samples >= self.total_samples:
+        if consumed_samples > self.total_samples:
             raise ValueError(
-                f"consumed_samples={consumed_samples}: no samples left of "
-                f"total_samples={self.total_samples}; resume with a smaller count or more data"
+                f"consumed_samples={consumed_samples}: more than total_samples="
+                f"{self.total_samples}; resume with a smaller count or more data"
             )
         return consumed_samples
 

@@ -25,6 +25,7 @@ class TokenizerFiles:
 
     tokenizer_json: str
     config: dict[str, object]
+    config_path: str | None = None  # the tokenizer_config.json that `config` was read from
 
     @classmethod
     def locate(cls, path: str | os.PathLike[str]) -> TokenizerFiles:
@@ -51,7 +52,7 @@ class TokenizerFiles:
                 ) from None
             if not isinstance(config, dict):
                 raise PreprocessError(f"{config_path}: expected a JSON object")
-        return cls(file, config)
+        return cls(file, config, config_path if config else None)
 
     def content_hash(self) -> str:
         """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
@@ -79,8 +80,16 @@ class TokenizerFiles:
         configured = self.config.get(f"{role}_token")
         if isinstance(configured, dict):
             configured = configured.get("content")
-        if isinstance(configured, str) and tokenizer.token_to_id(configured) is not None:
-            return tokenizer.token_to_id(configured)  # type: ignore[return-value]
+        if isinstance(configured, str):
+            found = tokenizer.token_to_id(configured)
+            if found is None:
+                # A silent substitute would end every document with another token than the
+                # model was trained to see.
+                raise PreprocessError(
+                    f"{self.config_path}: {role}_token {configured!r} is not in the vocabulary "
+                    f"of {self.tokenizer_json}; correct it or name the token with {option}"
+                )
+            return found
         candidates = EOD_CANDIDATES if role == "eos" else BOS_CANDIDATES
         for candidate in candidates:
             found = tokenizer.token_to_id(candidate)
