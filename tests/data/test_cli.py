@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 from hp_data import IndexedDataset
 from hp_data.cli import main
+from tokenizers import Tokenizer
 
-from tests.helpers.corpus import random_corpus, write_with_hp
+from tests.helpers.corpus import Corpus, random_corpus, write_with_hp
 
 HP_DATA = str(Path(sys.executable).parent / "hp-data")
 
@@ -82,6 +83,22 @@ def test_inspect_show_decodes_documents(example_dataset, example_tokenizer, exam
     assert result.exit_code == 0, result.output
     first = json.loads(example_corpus.open().readline())["text"]
     assert f"--- document 0 ---\n{first}\n--- document 1 ---" in result.output
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64])
+def test_inspect_show_marks_ids_it_cannot_decode(tmp_path, example_tokenizer, dtype):
+    # Valid datasets whose ids are negative, beyond 2**32 or the vocabulary, or not integers:
+    # each is shown as <id> in place, the rest decoded, never a crash or a silent drop.
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    hello = tokenizer.encode("hello world").ids
+    odd = [-5, 2**40, tokenizer.get_vocab_size() + 3] + ([1.5] if dtype == np.float64 else [])
+    ids = np.array([*hello, *odd, *hello], dtype=dtype)
+    prefix = write_with_hp(str(tmp_path / "ds"), Corpus(np.dtype(dtype), [[ids]], [[0]]))
+    result = invoke("inspect", prefix, "--show", "1", "--tokenizer", str(example_tokenizer))
+    assert result.exit_code == 0, result.output
+    marks = "".join(f"<{dtype(v).item()}>" for v in odd)
+    text = tokenizer.decode(hello)
+    assert f"--- document 0 ---\n{text}{marks}{text}\n" in result.output
 
 
 def test_inspect_check_lists_problems_and_exits_1(tmp_path):

@@ -17,7 +17,7 @@ from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
 from hp_data.readers import FORMATS
 from hp_data.summary import format_report, summarize
-from hp_data.tokenize import load_tokenizer
+from hp_data.tokenize import decode_ids, load_tokenizer
 
 
 class _Group(click.Group):
@@ -84,7 +84,7 @@ def inspect(
         if show:
             decoder = load_tokenizer(tokenizer)  # type: ignore[arg-type]
             report["shown"] = [
-                {"document": d, "text": decoder.decode(dataset.get_document(d).tolist())}
+                {"document": d, "text": decode_ids(decoder, dataset.get_document(d))}
                 for d in range(min(show, dataset.num_documents))
             ]
     if as_json:

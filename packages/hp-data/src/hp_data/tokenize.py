@@ -105,6 +105,28 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     return TokenizerFiles.locate(path).load()
 
 
+def decode_ids(tokenizer: Tokenizer, ids: np.ndarray) -> str:
+    """Text of `ids` as stored (any dtype); an id the tokenizer cannot decode (negative, beyond
+    the vocabulary, not an integer) is shown as `<id>` in its place rather than dropped."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "f":
+        valid = np.isfinite(ids) & (ids == np.floor(ids))
+    else:
+        valid = np.ones(len(ids), dtype=bool)
+    valid &= (ids >= 0) & (ids < vocab_size(tokenizer))
+    if valid.all():
+        return tokenizer.decode(ids.astype(np.int64).tolist())
+    # Runs of decodable ids are decoded whole (so that multi-byte characters join up).
+    edges = np.flatnonzero(np.diff(valid)) + 1
+    parts = []
+    for run in np.split(np.arange(len(ids)), edges):
+        if valid[run[0]]:
+            parts.append(tokenizer.decode(ids[run].astype(np.int64).tolist()))
+        else:
+            parts.extend(f"<{ids[i].item()}>" for i in run)
+    return "".join(parts)
+
+
 def vocab_size(tokenizer: Tokenizer) -> int:
     """The number of ids the tokenizer can produce, added tokens included."""
     return tokenizer.get_vocab_size(with_added_tokens=True)
