@@ -115,6 +115,53 @@ def test_corrupt_compressed_input(tmp_path, example_tokenizer):
     assert not (tmp_path / "out.idx").exists()
 
 
+def _zstd_frames(records: list[dict], frames: int, **options) -> bytes:
+    import json
+
+    import zstandard
+
+    lines = [json.dumps(r) + "\n" for r in records]
+    step = -(-len(lines) // frames)
+    compressor = zstandard.ZstdCompressor(**options)
+    parts = ["".join(lines[i : i + step]).encode() for i in range(0, len(lines), step)]
+    return b"".join(compressor.compress(part) for part in parts)
+
+
+@pytest.mark.parametrize("skip_invalid", [False, True])
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.9, 0.999])
+def test_a_truncated_zstd_file_is_refused(tmp_path, example_tokenizer, keep, skip_invalid):
+    # zstandard's reader ends quietly where a frame is cut: hp must not lose the tail unnoticed.
+    data = _zstd_frames(english_records(1, 400), frames=3, write_checksum=True)
+    (tmp_path / "c.jsonl.zst").write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(PreprocessError, match=r"c.jsonl.zst: corrupt zstd data: truncated zstd"):
+        run_preprocess(
+            [tmp_path / "c.jsonl.zst"],
+            tmp_path / "out",
+            example_tokenizer,
+            skip_invalid=skip_invalid,
+        )
+    assert not (tmp_path / "out.idx").exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"frames": 1},
+        {"frames": 4, "write_checksum": True},
+        {"frames": 2, "write_content_size": False, "level": 19},
+    ],
+)
+def test_complete_zstd_files_of_every_shape_read_whole(tmp_path, example_tokenizer, options):
+    records = english_records(2, 300)
+    frames = options.pop("frames")
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"hello"
+    (tmp_path / "c.jsonl.zst").write_bytes(skippable + _zstd_frames(records, frames, **options))
+    write_jsonl(tmp_path / "plain.jsonl", records)
+    run_preprocess([tmp_path / "c.jsonl.zst"], tmp_path / "zst", example_tokenizer)
+    run_preprocess([tmp_path / "plain.jsonl"], tmp_path / "plain", example_tokenizer)
+    assert read_bytes(tmp_path / "zst") == read_bytes(tmp_path / "plain")
+
+
 @pytest.mark.parametrize(
     ("fmt", "module", "extra"), [("hf-saved", "datasets", "hf"), ("parquet", "pyarrow", "parquet")]
 )
