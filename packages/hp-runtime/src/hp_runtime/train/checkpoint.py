@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from hp_runtime.train.config import CheckpointConfig, Config
 from hp_runtime.train.data import same_data
@@ -125,26 +124,18 @@ def _restore_rng(states: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-def _global_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, DTensor):
-        return tuple(value.shape)
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    return None
-
-
 def _metadata(path: str) -> Any:
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}/.metadata: unreadable ({_first_line(exc)})") from None
+        raise CheckpointError(f"{path}/.metadata: unreadable ({first_line(exc)})") from None
 
 
-def check_files(path: str) -> None:
-    """Name a data file that is missing or shorter than the metadata says (a checkpoint cut
-    by a crash or a full disk), before DCP fails somewhere inside it."""
+def check_files(path: str, metadata: Any) -> None:
+    """Name a data file that is missing or shorter than `metadata` (DCP's, of `path`) says (a
+    checkpoint cut by a crash or a full disk), before DCP fails somewhere inside it."""
     needed: dict[str, int] = {}
-    for info in _metadata(path).storage_data.values():
+    for info in metadata.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for name, size in sorted(needed.items()):
@@ -155,17 +146,17 @@ def check_files(path: str) -> None:
             raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {size} bytes)")
 
 
-def check_shapes(path: str, model: dict[str, Any]) -> None:
+def check_shapes(path: str, metadata: Any, model: dict[str, Any]) -> None:
     """Name the first parameter whose shape differs from the checkpoint's (before DCP would
-    fail with a less helpful message)."""
-    saved = _metadata(path).state_dict_metadata
+    fail with a less helpful message). A DTensor's shape is its global one."""
+    saved = metadata.state_dict_metadata
     for name, value in model.items():
         key = f"model.{name}"
         if key not in saved:
             raise CheckpointError(
                 f"{path}: has no parameter {name}: the model changed", fallback=False
             )
-        want = _global_shape(value)
+        want = tuple(value.shape) if isinstance(value, torch.Tensor) else None
         have = tuple(getattr(saved[key], "size", ()))
         if want is not None and have != want:
             raise CheckpointError(
@@ -316,12 +307,13 @@ def load(path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any]) -
     """Load `path` into `state` (any layout). RNG states come back when the world size is the
     one that saved them."""
     payload = tensors(state)
-    check_shapes(path, payload["model"])
-    check_files(path)
+    metadata = _metadata(path)  # read once for both checks
+    check_shapes(path, metadata, payload["model"])
+    check_files(path, metadata)
     try:
         dcp.load(payload, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
-        raise CheckpointError(f"{path}: cannot be loaded: {_first_line(exc)}") from None
+        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc)}") from None
     _apply(state, payload)
     state.load_scalars(meta)
     if meta.get("world_size") == runtime.world_size:
@@ -330,7 +322,7 @@ def load(path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any]) -
             _restore_rng(torch.load(extra, weights_only=False), runtime.device)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """The cause in one line: DCP wraps each rank's exception with its traceback."""
     failures = getattr(exc, "failures", None)
     if failures:

@@ -223,7 +223,7 @@ def export_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint import first_line, read_meta
     from hp_runtime.train.config import build_config
 
     config = build_config(tomllib.loads(read_meta(checkpoint)["config"])).model
@@ -236,7 +236,5 @@ def export_checkpoint(
     try:
         dcp.load({"model": wanted}, checkpoint_id=checkpoint, no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
-        raise TrainError(
-            f"{checkpoint}: cannot be read: {str(exc).strip().splitlines()[0]}"
-        ) from None
+        raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc)}") from None
     return write_hf(wanted, config, out, dtype, max_shard_bytes)

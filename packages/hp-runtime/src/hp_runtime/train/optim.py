@@ -41,8 +41,8 @@ class Optimizers:
     together: DCP's optimizer state dict maps one optimizer to one module, by parameter
     names, which is what lets a checkpoint move between layouts."""
 
-    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        self.modules, self.optimizers = modules, optimizers
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers  # in the order of the model parts (TrainState.modules)
 
     @property
     def param_groups(self) -> list[dict[str, object]]:
@@ -76,4 +76,4 @@ def build_optimizer(
     modules: list[nn.Module], optim: OptimConfig, tied: bool, device: torch.device
 ) -> Optimizers:
     """The optimizers over `modules`' parameters; the rate is set every step by the loop."""
-    return Optimizers(modules, [_optimizer(m, optim, tied, device) for m in modules])
+    return Optimizers([_optimizer(m, optim, tied, device) for m in modules])
