@@ -109,6 +109,11 @@ def test_export_errors_are_one_line(tmp_path):
         f"{tmp_path / 'nothing'} is not a hp-train checkpoint"
     ]
     assert not (tmp_path / "hf").exists()
+    size = hp_train("export", tmp_path, "--out", tmp_path / "hf", "--max-shard-size", "5 GBs")
+    assert size.returncode == 1
+    assert size.stderr.splitlines() == [
+        "hp-train: error: --max-shard-size '5 GBs': give a positive size such as 5GB or 500MiB"
+    ]
 
 
 @pytest.mark.slow

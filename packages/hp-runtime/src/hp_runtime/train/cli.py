@@ -73,12 +73,21 @@ def plot_command(run_dir: str, out: str | None) -> None:
 
 
 def _size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    """`--max-shard-size`: bytes, or a number with KB/MB/GB (or KiB/MiB/GiB)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
     upper = text.strip().upper()
-    for unit, factor in units.items():
+    number, factor = upper, 1
+    for unit, scale in units.items():
         if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
-    return int(upper)
+            number, factor = upper[: -len(unit)], scale
+            break
+    try:
+        size = int(float(number) * factor)
+    except (ValueError, OverflowError):
+        size = 0
+    if size <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: give a positive size such as 5GB or 500MiB")
+    return size
 
 
 @click.command()
