@@ -16,6 +16,13 @@ BAD_LINES = [
     (b'{"body": "no text"}\n', "missing key", "missing key 'text'"),
     (b'{"text": 42}\n', "not a string", "'text' must be a string, got int"),
     (b'{"text": "caf\xe9"}\n', "invalid UTF-8", "invalid UTF-8 at byte 13 of the line"),
+    # Lone surrogates, escaped or as raw bytes (json.loads lets both through): no tokenizer
+    # can encode them.
+    (b'{"text": "a\\ud800b"}\n', "lone surrogate", "'text' holds a lone surrogate at character 1"),
+    (b'{"text": "raw \xed\xa0\x80"}\n', "lone surrogate", "'text' holds a lone surrogate at"),
+    # Valid JSON that json.loads refuses with other errors than a decode error.
+    (b'{"n": ' + b"9" * 5000 + b"}\n", "number too long", "a JSON number too long to read"),
+    (b"[" * 100_000 + b"\n", "nested too deeply", "JSON nested too deeply to parse"),
 ]
 
 
@@ -69,10 +76,13 @@ def test_skip_invalid_counts_each_reason_and_shows_where(tmp_path, example_token
         "missing key": 1,
         "not a string": 2,
         "invalid UTF-8": 1,
+        "lone surrogate": 2,
+        "number too long": 1,
+        "nested too deeply": 1,
     }
     assert summary.documents_written == len(BAD_LINES) + 1
     assert IndexedDataset(tmp_path / "out").num_documents == len(BAD_LINES) + 1
-    for i, (_, _, reason) in enumerate(BAD_LINES):
+    for i, (_, _, reason) in enumerate(BAD_LINES[:5]):  # the summary keeps five examples
         assert summary.invalid_examples[i].startswith(f"{corpus}:{2 * i + 2}: {reason}")
     result = cli(
         "preprocess",
@@ -86,8 +96,9 @@ def test_skip_invalid_counts_each_reason_and_shows_where(tmp_path, example_token
     )
     assert result.returncode == 0
     assert (
-        "6 invalid (1 malformed JSON, 1 not an object, 1 missing key, 2 not a string, "
-        "1 invalid UTF-8)" in result.stdout
+        "10 invalid (1 malformed JSON, 1 not an object, 1 missing key, 2 not a string, "
+        "1 invalid UTF-8, 2 lone surrogate, 1 number too long, 1 nested too deeply)"
+        in result.stdout
     )
     assert f"invalid: {corpus}:2: malformed JSON" in result.stdout
 

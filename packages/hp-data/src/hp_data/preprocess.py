@@ -34,7 +34,7 @@ from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
 from hp_data.progress import Progress, human
-from hp_data.readers import Chunk, Shard, chunks, discover, location, read_chunk
+from hp_data.readers import Chunk, Parsed, Shard, chunks, discover, location, read_chunk
 from hp_data.tokenize import TokenizerFiles, encode_documents, vocab_size
 
 MANIFEST_VERSION = 1
@@ -119,6 +119,13 @@ def _init_worker(spec: _WorkerSpec) -> None:
     _worker["tokenizer"] = Tokenizer.from_file(spec.tokenizer_json)
 
 
+def _encode(
+    parsed: Parsed, spec: _WorkerSpec, dtype: np.dtype
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    tokenizer = _worker["tokenizer"]
+    return [encode_documents(tokenizer, t, dtype, spec.bos, spec.eod) for t in parsed.texts]
+
+
 def _work(chunk: Chunk) -> _Result:
     spec: _WorkerSpec = _worker["spec"]
     parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid)
@@ -126,12 +133,18 @@ def _work(chunk: Chunk) -> _Result:
         chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
     )
     if spec.stop_at_invalid and parsed.invalid:
+        # The run stops here: read again to report the first problem, a lone surrogate too.
+        result.invalid = read_chunk(chunk, spec.keys, True, check_unicode=True).invalid
         return result
     dtype = np.dtype(spec.dtype)
-    encoded = [
-        encode_documents(_worker["tokenizer"], texts, dtype, spec.bos, spec.eod)
-        for texts in parsed.texts
-    ]
+    try:
+        encoded = _encode(parsed, spec, dtype)
+    except TypeError:  # the tokenizer refuses a text that is not valid Unicode
+        parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid, check_unicode=True)
+        result.invalid = parsed.invalid
+        if spec.stop_at_invalid:
+            return result
+        encoded = _encode(parsed, spec, dtype)
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
         keep = np.logical_or.reduce([lengths > 0 for _, lengths in encoded]) if encoded else keep

@@ -374,21 +374,50 @@ def _hf_rows(
 # -- the workers: chunks into texts ---------------------------------------------------------
 
 
-def read_chunk(chunk: Chunk, keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+def read_chunk(
+    chunk: Chunk, keys: Sequence[str], stop_at_invalid: bool, check_unicode: bool = False
+) -> Parsed:
     """The valid texts of `chunk`; invalid records are listed (and end the chunk when
-    `stop_at_invalid`)."""
+    `stop_at_invalid`).
+
+    JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer can encode. Checking
+    every text costs time on every chunk, so the worker asks for `check_unicode` only when the
+    tokenizer refused one, and reads the chunk again."""
     if chunk.rows is not None:
-        return _parse_rows(chunk.rows, keys, stop_at_invalid)
+        return _parse_rows(chunk.rows, keys, stop_at_invalid, check_unicode)
     if chunk.blob is not None:
         data = chunk.blob
     else:
         with open_input(chunk.path, PreprocessError, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
-    return _parse_lines(data, keys, stop_at_invalid)
+    return _parse_lines(data, keys, stop_at_invalid, check_unicode)
 
 
-def _parse_lines(data: bytes, keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+def _json_problem(exc: Exception) -> tuple[str, str]:
+    """(kind, reason) for a line `json.loads` refused."""
+    if isinstance(exc, UnicodeDecodeError):
+        return ("invalid UTF-8", f"invalid UTF-8 at byte {exc.start} of the line")
+    if isinstance(exc, json.JSONDecodeError):
+        return ("malformed JSON", f"malformed JSON: {exc.msg} (column {exc.colno})")
+    if isinstance(exc, RecursionError):
+        return ("nested too deeply", "JSON nested too deeply to parse")
+    # int() refuses numbers of more than sys.get_int_max_str_digits() digits.
+    return ("number too long", f"a JSON number too long to read ({str(exc).split(':')[0]})")
+
+
+def _surrogate_at(text: str) -> int | None:
+    """Where `text` holds a lone surrogate (not valid Unicode text), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _parse_lines(
+    data: bytes, keys: Sequence[str], stop_at_invalid: bool, check_unicode: bool = False
+) -> Parsed:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -400,15 +429,18 @@ def _parse_lines(data: bytes, keys: Sequence[str], stop_at_invalid: bool) -> Par
         parsed.records += 1
         try:
             record = json.loads(raw)  # json.loads accepts UTF-8 bytes and strict checks it
-        except UnicodeDecodeError as exc:
-            problem = ("invalid UTF-8", f"invalid UTF-8 at byte {exc.start} of the line")
-        except json.JSONDecodeError as exc:
-            problem = ("malformed JSON", f"malformed JSON: {exc.msg} (column {exc.colno})")
+        except (ValueError, RecursionError) as exc:
+            problem = _json_problem(exc)
         else:
-            if single is not None and type(record) is dict and type(record.get(single)) is str:
+            if (
+                not check_unicode
+                and single is not None
+                and type(record) is dict
+                and type(record.get(single)) is str
+            ):
                 parsed.texts[0].append(record[single])  # the common case, checked cheaply
                 continue
-            problem = _record_problem(record, keys)
+            problem = _record_problem(record, keys, check_unicode)
             if problem is None:
                 for column, key in zip(parsed.texts, keys, strict=True):
                     column.append(record[key])
@@ -419,7 +451,9 @@ def _parse_lines(data: bytes, keys: Sequence[str], stop_at_invalid: bool) -> Par
     return parsed
 
 
-def _record_problem(record: Any, keys: Sequence[str]) -> tuple[str, str] | None:
+def _record_problem(
+    record: Any, keys: Sequence[str], check_unicode: bool = False
+) -> tuple[str, str] | None:
     if not isinstance(record, dict):
         return ("not an object", f"expected a JSON object, got {type(record).__name__}")
     for key in keys:
@@ -427,23 +461,29 @@ def _record_problem(record: Any, keys: Sequence[str]) -> tuple[str, str] | None:
             return ("missing key", f"missing key {key!r} (choose keys with --json-keys)")
         if not isinstance(record[key], str):
             return ("not a string", f"{key!r} must be a string, got {type(record[key]).__name__}")
+        if check_unicode and (at := _surrogate_at(record[key])) is not None:
+            return ("lone surrogate", f"{key!r} holds a lone surrogate at character {at}")
     return None
 
 
-def _parse_rows(rows: dict[str, list[Any]], keys: Sequence[str], stop_at_invalid: bool) -> Parsed:
+def _parse_rows(
+    rows: dict[str, list[Any]],
+    keys: Sequence[str],
+    stop_at_invalid: bool,
+    check_unicode: bool = False,
+) -> Parsed:
     count = len(rows[keys[0]]) if keys else 0
     parsed = Parsed([[] for _ in keys], records=count, lines=count)
     columns = [rows[key] for key in keys]
     for offset, values in enumerate(zip(*columns, strict=True)):
-        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
-        if bad is None:
+        problem = None
+        if check_unicode or not all(type(value) is str for value in values):
+            problem = _record_problem(dict(zip(keys, values, strict=True)), keys, check_unicode)
+        if problem is None:
             for column, value in zip(parsed.texts, values, strict=True):
                 column.append(value)
             continue
-        kind = type(values[bad]).__name__
-        parsed.invalid.append(
-            (offset, "not a string", f"{keys[bad]!r} must be a string, got {kind}")
-        )
+        parsed.invalid.append((offset, *problem))
         if stop_at_invalid:
             break
     return parsed
