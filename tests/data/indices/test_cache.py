@@ -118,3 +118,35 @@ def test_a_regenerated_corpus_never_reuses_stale_indices(tmp_path):
     assert second.cache_report["key"] != key_first
     assert second.cache_report["built_seconds"] is not None
     assert len(second.dataset.sequence_lengths) == len(lengths)
+
+
+def _shorter(array):
+    return array[:-1]
+
+
+def _narrower(array):
+    return array.astype(np.int32)
+
+
+def _out_of_range(array):
+    array = np.array(array)
+    array[-1] = 10**9
+    return array
+
+
+@pytest.mark.parametrize("corrupt", [_shorter, _narrower, _out_of_range])
+def test_cached_arrays_that_disagree_with_their_record_are_rebuilt(tmp_path, corrupt):
+    prefix = str(tmp_path / "corpus")
+    write_with_hp(prefix, random_corpus(2, np.uint16, max_documents=60))
+    config = GPTDatasetConfig(seq_length=8, seed=3, split="1,0,0", cache_dir=str(tmp_path / "c"))
+    first = GPTDataset(prefix, "train", None, config)
+    expected = [first[i]["tokens"].tolist() for i in range(len(first))]
+    # A partial overwrite leaves a file numpy loads but that no longer fits the others.
+    path = next(f for f in first.cache_report["files"] if f.endswith("shuffle_index.npy"))
+    np.save(path, corrupt(np.load(path)))
+    with pytest.warns(UserWarning, match=r"shuffle_index.npy: .* recorded; rebuilding|out of"):
+        second = GPTDataset(prefix, "train", None, config)
+    assert second.cache_report["built_seconds"] is not None
+    assert [second[i]["tokens"].tolist() for i in range(len(second))] == expected
+    third = GPTDataset(prefix, "train", None, config)  # the rebuilt set loads cleanly
+    assert third.cache_report["built_seconds"] is None

@@ -115,6 +115,43 @@ def test_unknown_type_and_missing_path_are_clear():
         build_dataset(DatasetConfig(type="megatron", seq_length=8, path="/nonexistent/p"))
 
 
+UNGUARDED_SCRIPT = """
+from hp_data.registry import DatasetConfig, build_dataset
+
+config = DatasetConfig(
+    type="json_file", seq_length=16, path={path!r}, tokenizer={tokenizer!r},
+    cache_dir={cache!r}, workers={workers},
+)
+print("samples", len(build_dataset(config)))
+"""
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_a_script_without_a_main_guard_fails_or_works_but_never_hangs(
+    tmp_path, example_tokenizer, workers
+):
+    # Spawned tokenizer workers re-run the script; they used to block forever on the lock
+    # the parent holds. Two workers now fail with what to do; one tokenizes in-process.
+    source = WRITERS["jsonl"](tmp_path, english_records(5, 50))
+    script = tmp_path / "script.py"
+    script.write_text(
+        UNGUARDED_SCRIPT.format(
+            path=str(source),
+            tokenizer=str(example_tokenizer),
+            cache=str(tmp_path / "c"),
+            workers=workers,
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    if workers == 1:
+        assert result.returncode == 0 and result.stdout.startswith("samples "), result.stderr
+    else:
+        assert result.returncode == 1
+        assert "if __name__ == '__main__':" in result.stderr.strip().splitlines()[-1]
+
+
 def test_build_index_cli_builds_then_hits_the_cache(tmp_path, prefix):
     command = [
         HP_DATA,

@@ -74,6 +74,16 @@ def sizes_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.0)
     return [math.ceil(math.ceil(size * w) * (1 + surplus)) for w in weights]
 
 
+def _blend_problem(arrays: dict[str, np.ndarray], size: int, count: int) -> str | None:
+    """Why cached blending indices cannot be these (None when they can)."""
+    index, sample = arrays["dataset_index"], arrays["dataset_sample_index"]
+    if index.shape != (size,) or sample.shape != (size,):
+        return f"{size} samples expected, found {index.shape} and {sample.shape}"
+    if size and not 0 <= int(index.min()) <= int(index.max()) < count:
+        return f"dataset numbers outside 0..{count - 1}"
+    return None
+
+
 class BlendableDataset:
     """Samples from several datasets mixed by weight with the largest-error rule.
 
@@ -116,6 +126,7 @@ class BlendableDataset:
                     strict=True,
                 )
             ),
+            lambda arrays: _blend_problem(arrays, size, len(datasets)),
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]

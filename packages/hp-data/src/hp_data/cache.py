@@ -63,11 +63,35 @@ def _save_atomic(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _load(paths: dict[str, str]) -> dict[str, np.ndarray] | None:
-    try:
-        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
-    except (OSError, ValueError, EOFError):
+def _load(
+    paths: dict[str, str], marker: str, check: Callable[[dict[str, np.ndarray]], str | None]
+) -> dict[str, np.ndarray] | None:
+    """The committed arrays, or None (with a warning) when any does not match its record."""
+    if not os.path.exists(marker):
         return None
+    try:
+        with open(marker, encoding="utf-8") as stream:
+            recorded = json.load(stream).get("arrays", {})
+        arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    except (OSError, ValueError, EOFError) as exc:
+        problem = f"unreadable ({exc})"
+    else:
+        problem = next(
+            (
+                f"{paths[name]}: {_shape(array)} on disk, {recorded.get(name)} recorded"
+                for name, array in arrays.items()
+                if recorded.get(name) != _shape(array)
+            ),
+            None,
+        ) or check(arrays)
+        if problem is None:
+            return arrays
+    warnings.warn(f"index cache {marker}: {problem}; rebuilding", stacklevel=3)
+    return None
+
+
+def _shape(array: np.ndarray) -> dict[str, Any]:
+    return {"shape": list(array.shape), "dtype": str(array.dtype)}
 
 
 def load_or_build(
@@ -77,11 +101,14 @@ def load_or_build(
     split: str,
     names: tuple[str, ...],
     build: Callable[[], dict[str, np.ndarray]],
+    check: Callable[[dict[str, np.ndarray]], str | None] = lambda arrays: None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The arrays `names` for `description`, from the cache or built (once) and saved.
 
     Returns the arrays (memory-mapped, read-only) and a report: the cache key, the files, and
     `built_seconds` (None on a cache hit). `directory=None` uses the temporary fallback.
+    Cached arrays whose shape or dtype differs from the one recorded in the description, or
+    that `check` (cheap relations between the arrays) finds wrong, are rebuilt.
     """
     directory = resolve_cache_dir(directory)
     key = fingerprint(description)
@@ -89,28 +116,37 @@ def load_or_build(
     paths = {name: f"{base}-{name}.npy" for name in names}
     marker = f"{base}-description.json"
     built_seconds = None
-    loaded = _load(paths) if os.path.exists(marker) else None
+    loaded = _load(paths, marker, check)
     if loaded is None:
         with open(f"{base}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this key
-            loaded = _load(paths) if os.path.exists(marker) else None
+            loaded = _load(paths, marker, check)
             if loaded is None:
                 start = time.perf_counter()
                 arrays = build()
                 built_seconds = time.perf_counter() - start
+                if os.path.exists(marker):  # a set that failed its checks: uncommit it first
+                    os.remove(marker)
                 for name in names:
                     _save_atomic(paths[name], arrays[name])
                 tmp = f"{marker}.tmp-{os.getpid()}"
                 with open(tmp, "w", encoding="utf-8") as stream:
+                    shapes = {name: _shape(arrays[name]) for name in names}
                     json.dump(
-                        {"key": key, "class": class_name, "split": split, **description},
+                        {
+                            "key": key,
+                            "class": class_name,
+                            "split": split,
+                            **description,
+                            "arrays": shapes,
+                        },
                         stream,
                         indent=2,
                         sort_keys=True,
                         default=str,
                     )
                 os.replace(tmp, marker)
-                loaded = _load(paths)
+                loaded = _load(paths, marker, check)
     if loaded is None:
         raise OSError(f"{base}-*.npy: written but unreadable; remove them and retry")
     report = {

@@ -121,6 +121,23 @@ class GPTDataset:
                 raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
             return {"document_index": document, "sample_index": sample, "shuffle_index": shuffle}
 
+        def check(arrays: dict[str, np.ndarray]) -> str | None:
+            """Relations between the arrays, from their shapes and ends: cheap on any size."""
+            document, sample, shuffle = (
+                arrays[n] for n in ("document_index", "sample_index", "shuffle_index")
+            )
+            documents = span[1] - span[0]
+            if document.ndim != 1 or (len(document) % documents if documents else len(document)):
+                return f"document_index of {len(document)} is not whole epochs of {documents}"
+            if sample.ndim != 2 or sample.shape[1] != 2 or shuffle.shape != (len(sample) - 1,):
+                return f"sample_index {sample.shape} and shuffle_index {shuffle.shape} disagree"
+            ends = [(sample[-1, 0], (0, len(document) + 1))]
+            ends += [(d, span) for d in document[[0, -1]]] if len(document) else []
+            ends += [(i, (0, len(shuffle))) for i in shuffle[[0, -1]]] if len(shuffle) else []
+            if not all(low <= int(value) < high for value, (low, high) in ends):
+                return "an index value out of range"
+            return None
+
         arrays, self.cache_report = load_or_build(
             config.cache_dir,
             description,
@@ -128,6 +145,7 @@ class GPTDataset:
             split,
             ("document_index", "sample_index", "shuffle_index"),
             build,
+            check,
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]

@@ -14,6 +14,7 @@ or where an earlier run was killed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -22,6 +23,8 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -30,7 +33,7 @@ import xxhash
 
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
-from hp_data.format.builder import IndexedDatasetBuilder
+from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
 from hp_data.progress import Progress, human
@@ -110,13 +113,13 @@ class _Result:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: _WorkerSpec) -> None:
+def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     _worker["spec"] = spec
-    _worker["tokenizer"] = Tokenizer.from_file(spec.tokenizer_json)
+    _worker["tokenizer"] = tokenizer or Tokenizer.from_file(spec.tokenizer_json)
 
 
 def _encode(
@@ -213,7 +216,11 @@ class _WorkDir:
         """How many leading shards a previous run finished with these same inputs."""
         done = 0
         for shard, record in zip(shards, self.manifest["shards"], strict=False):
-            complete = all(os.path.exists(idx_path(self.shard_prefix(done, k))) for k in keys)
+            complete = all(
+                os.path.exists(path(self.shard_prefix(done, k)))
+                for k in keys
+                for path in (bin_path, idx_path)
+            )
             if record["identity"] != shard.identity or not complete:
                 break
             done += 1
@@ -230,6 +237,9 @@ class _WorkDir:
         os.replace(target + ".tmp", target)
 
     def remove(self) -> None:
+        # The manifest goes first: a kill inside rmtree leaves nothing a rerun would reuse.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, "manifest.json"))
         self._lock.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
@@ -254,22 +264,46 @@ def _config_hash(files: TokenizerFiles, spec: _WorkerSpec, options: PreprocessOp
     return xxhash.xxh3_128_hexdigest(json.dumps(described, sort_keys=True).encode())
 
 
-def _results(work: Iterator[Chunk], spec: _WorkerSpec, workers: int) -> Iterator[_Result]:
-    """Results of every chunk, in order; at most a few chunks in flight per worker."""
+def _results(
+    work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
+) -> Iterator[_Result]:
+    """Results of every chunk, in order; at most a few chunks in flight per worker. One
+    worker runs here, with the main process's `tokenizer`."""
     if workers <= 1:
-        _init_worker(spec)
+        _init_worker(spec, tokenizer)
         for chunk in work:
             yield _work(chunk)
         return
+    # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or
+    # failing to start) breaks it, where a Pool would wait for its result forever.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
-        pending: deque[Any] = deque()
+    pool = ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(spec,))
+    try:
+        pending: deque[Future[_Result]] = deque()
         for chunk in work:
-            pending.append(pool.apply_async(_work, (chunk,)))
+            pending.append(pool.submit(_work, chunk))
             if len(pending) >= 2 * workers + 1:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise PreprocessError(
+            "a tokenizer worker process died (killed, out of memory, or unable to start: "
+            "spawned workers re-run the calling script, so call hp-data under "
+            "`if __name__ == '__main__':`, or use one worker)"
+        ) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def refuse_reentry() -> None:
+    """Refuse a call made while this process, a spawned worker, re-runs the parent's script:
+    a script without a `__main__` guard would otherwise start a run inside every worker."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise PreprocessError(
+            "hp-data was called while a worker process started: spawned workers re-run the "
+            "calling script, so call hp-data under `if __name__ == '__main__':`"
+        )
 
 
 @dataclass
@@ -310,6 +344,7 @@ def preprocess(
 ) -> PreprocessSummary:
     """Tokenize `inputs` into `out_prefix` (see the module docstring for the guarantees)."""
     options = options or PreprocessOptions()
+    refuse_reentry()
     started = time.perf_counter()
     keys = tuple(options.json_keys)
     if not keys or len(set(keys)) != len(keys):
@@ -361,8 +396,9 @@ def preprocess(
             for i in range(resumed, len(shards))
             for chunk in chunks(i, shards[i], keys, options.chunk_bytes, options.split, cache)
         )
-        for result in _results(work, spec, options.workers):
-            run.take(result)
+        with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
+            for result in results:
+                run.take(result)
     except BaseException:
         run.abort()
         if not workdir.manifest["shards"]:
@@ -382,8 +418,7 @@ def preprocess(
         for builder in finals:
             builder.abort()
         raise
-    for builder in finals:
-        builder.finalize()
+    finalize_together(finals)
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     workdir.remove()
     return _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)

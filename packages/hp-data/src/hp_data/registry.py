@@ -21,9 +21,10 @@ import xxhash
 from hp_data.blend import build_split
 from hp_data.cache import resolve_cache_dir
 from hp_data.errors import HpDataError
+from hp_data.format.commit import recover
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_data.index import SPLITS, parse_split
-from hp_data.preprocess import PreprocessOptions, preprocess
+from hp_data.preprocess import PreprocessOptions, default_workers, preprocess, refuse_reentry
 from hp_data.readers import discover
 from hp_data.tokenize import TokenizerFiles
 
@@ -48,6 +49,7 @@ class DatasetConfig:
     reset_position_ids: bool = False
     return_cu_seqlens: bool = False
     cache_dir: str | None = None
+    workers: int | None = None  # json_file, hf_datasets: tokenizer processes (None: all cores)
 
 
 class DummyDataset:
@@ -113,8 +115,10 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     directory = os.path.join(resolve_cache_dir(config.cache_dir), "tokenized")
     os.makedirs(directory, exist_ok=True)
     prefix = os.path.join(directory, key)
+    refuse_reentry()  # before the lock: the parent holds it while its workers start
     with open(prefix + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        recover(prefix)
         if not os.path.exists(prefix + ".idx"):
             preprocess(
                 [path],
@@ -125,6 +129,7 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
                     append_eod=True,
                     input_format=input_format,
                     show_progress=False,
+                    workers=config.workers or default_workers(),
                 ),
             )
     tokenizer = files.load()

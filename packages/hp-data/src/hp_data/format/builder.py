@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -11,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from hp_data.errors import IndexedDatasetError
+from hp_data.format.commit import commit
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, check_token_range
-from hp_data.format.header import bin_path, drop_pages, idx_path, pack_header, prefix_of
+from hp_data.format.header import drop_pages, pack_header, prefix_of
 from hp_data.format.reader import IndexedDataset
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -79,13 +82,57 @@ class _SpillColumn:
         self._file.close()
 
 
+def finalize_together(builders: Sequence[IndexedDatasetBuilder]) -> None:
+    """Finalize datasets of one directory with one commit point: all appear, or none."""
+    try:
+        commit([builder._prepare() for builder in builders])
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+    for builder in builders:
+        builder._cleanup()
+
+
+def _remove_directory(path: str) -> None:
+    """Remove a builder's directory, its lock last: a kill part-way leaves it recognisable."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(path):
+            if entry != "lock":
+                os.remove(os.path.join(path, entry))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, "lock"))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_abandoned(directory: str, name: str) -> None:
+    """Remove the temporary directories of builders of `name` that were killed: those whose
+    lock no process holds, or that are empty (killed while being removed)."""
+    start = f".{name}.hp-tmp-"
+    for entry in os.listdir(directory):
+        path = os.path.join(directory, entry)
+        if not entry.startswith(start):
+            continue
+        try:
+            with open(os.path.join(path, "lock"), "r+") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _remove_directory(path)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # only when empty
+        except OSError:  # alive, or a filesystem without locks: leave it
+            continue
+
+
 class IndexedDatasetBuilder:
     """Build `PREFIX.bin` and `PREFIX.idx`, byte-identical to megatron-core's builder.
 
-    Data goes to a hidden temporary directory beside the output; `finalize()` renames the
-    finished `.bin` and then the `.idx` into place, so a failure or a kill at any point leaves
-    nothing at the final paths. Used as a context manager it finalizes on success and cleans
-    up on an exception. Token ids outside `dtype`'s range raise instead of wrapping around.
+    Data goes to a hidden temporary directory beside the output; `finalize()` commits both
+    files in one atomic step (`format/commit.py`), so a failure or a kill at any point leaves
+    the final paths as they were (an earlier dataset or nothing) or holding the complete new
+    dataset. Used as a context manager it finalizes on success and cleans up on an exception.
+    Token ids outside `dtype`'s range raise instead of wrapping around. The directories of
+    killed builders of the same prefix are removed when the next one starts.
     """
 
     def __init__(
@@ -97,11 +144,15 @@ class IndexedDatasetBuilder:
         directory = os.path.dirname(os.path.abspath(self.prefix))
         try:
             os.makedirs(directory, exist_ok=True)
+            _remove_abandoned(directory, os.path.basename(self.prefix))
             self._tmp = tempfile.mkdtemp(
                 prefix=f".{os.path.basename(self.prefix)}.hp-tmp-", dir=directory
             )
+            self._lock = open(os.path.join(self._tmp, "lock"), "w")  # noqa: SIM115
         except OSError as exc:
             raise IndexedDatasetError(f"{directory}: cannot write here: {exc.strerror}") from None
+        with contextlib.suppress(OSError):  # no locks here: a killed run's directory stays
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._bin = open(os.path.join(self._tmp, "data.bin"), "wb")  # noqa: SIM115
         self._lengths = _SpillColumn(os.path.join(self._tmp, "lengths"), np.int32)
         self._documents = _SpillColumn(os.path.join(self._tmp, "documents"), np.int64)
@@ -257,36 +308,28 @@ class IndexedDatasetBuilder:
                         on_bytes(len(block))
 
     def finalize(self) -> str:
-        """Write the index and move both files into place; returns the prefix.
+        """Write the index and move both files into place atomically; returns the prefix.
 
         Sequences added after the last `end_document()` form a final document (megatron-core
         would write an index its own reader rejects).
         """
+        finalize_together([self])
+        return self.prefix
+
+    def _prepare(self) -> tuple[str, str, str]:
+        """Write the index beside the data; (prefix, tmp .bin, tmp .idx) ready to commit."""
         self._check_open()
         if self._documents.last != self._lengths.count:
             self._documents.append(self._lengths.count)
-        try:
-            self._bin.flush()
-            os.fsync(self._bin.fileno())
-            self._bin.close()
-            tmp_idx = os.path.join(self._tmp, "index.idx")
-            with open(tmp_idx, "wb") as index:
-                self._write_index(index)
-                index.flush()
-                os.fsync(index.fileno())
-            # An old .idx goes first and the new one lands last, so no reader ever sees a
-            # new .bin paired with a stale .idx: the .idx rename is the commit point.
-            if os.path.exists(idx_path(self.prefix)):
-                os.remove(idx_path(self.prefix))
-            os.replace(self._bin.name, bin_path(self.prefix))
-            os.replace(tmp_idx, idx_path(self.prefix))
-        except BaseException:
-            if not os.path.exists(idx_path(self.prefix)) and os.path.exists(bin_path(self.prefix)):
-                os.remove(bin_path(self.prefix))
-            self.abort()
-            raise
-        self._cleanup()
-        return self.prefix
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        tmp_idx = os.path.join(self._tmp, "index.idx")
+        with open(tmp_idx, "wb") as index:
+            self._write_index(index)
+            index.flush()
+            os.fsync(index.fileno())
+        return self.prefix, self._bin.name, tmp_idx
 
     def _write_index(self, index: Any) -> None:
         itemsize = self.dtype.itemsize
@@ -315,10 +358,11 @@ class IndexedDatasetBuilder:
     def _cleanup(self) -> None:
         self._done = True
         self._bin.close()
+        self._lock.close()
         for column in (self._lengths, self._documents, self._modes):
             if column is not None:
                 column.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        _remove_directory(self._tmp)
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.builder import IndexedDatasetBuilder
+from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, prefix_of, read_layout
 from hp_data.progress import Progress
 
@@ -48,6 +49,8 @@ def merge_datasets(
     if not in_prefixes:
         raise IndexedDatasetError("merge needs at least one input dataset")
     out_prefix = prefix_of(out_prefix)
+    for prefix in in_prefixes:
+        recover(prefix)
     layouts = [read_layout(idx_path(prefix), multimodal) for prefix in in_prefixes]
     for prefix in in_prefixes:
         if os.path.abspath(prefix) == os.path.abspath(out_prefix):

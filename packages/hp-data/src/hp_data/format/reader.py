@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from hp_data.errors import IndexedDatasetError, open_input
+from hp_data.format.commit import recover
 from hp_data.format.header import (
     IndexLayout,
     bin_path,
@@ -49,6 +50,7 @@ class IndexedDataset:
         self.idx_path = idx_path(self.path_prefix)
         self.bin_path = bin_path(self.path_prefix)
         self.path_prefix = self.idx_path[:-4]
+        recover(self.path_prefix)  # a commit a kill interrupted is finished before reading
         self._layout: IndexLayout = read_layout(self.idx_path, self.multimodal)
         layout = self._layout
         self.dtype: np.dtype = layout.dtype
