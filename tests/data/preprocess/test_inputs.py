@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from hp_data import IndexedDataset, PreprocessError
 from hp_data.readers import discover
@@ -113,6 +114,26 @@ def test_corrupt_compressed_input(tmp_path, example_tokenizer):
     with pytest.raises(PreprocessError, match="c.jsonl.gz: corrupt gzip data"):
         run_preprocess([tmp_path / "c.jsonl.gz"], tmp_path / "out", example_tokenizer)
     assert not (tmp_path / "out.idx").exists()
+
+
+def test_a_corrupt_parquet_page_names_the_file_and_row_group(tmp_path, example_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    texts = [" ".join(map(str, rng.integers(0, 10**6, 30))) for _ in range(300)]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=100, use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    for i in range(column.data_page_offset + 40, column.data_page_offset + 2000):
+        data[i] ^= 0x5A
+    path.write_bytes(data)
+    with pytest.raises(
+        PreprocessError, match=r"t.parquet: row group 1 \(from row 101\): corrupt Parquet data: "
+    ):
+        run_preprocess([path], tmp_path / "out", example_tokenizer, workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
 
 
 def _zstd_frames(records: list[dict], frames: int, **options) -> bytes:

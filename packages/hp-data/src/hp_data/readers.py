@@ -319,10 +319,24 @@ def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chu
     names = table.schema_arrow.names
     _check_columns(shard.path, names, keys)
     rows = max(table.metadata.num_rows, 1)
-    for batch in table.iter_batches(batch_size=ROWS_PER_CHUNK, columns=list(keys)):
-        columns = batch.to_pydict()
-        share = shard.size * batch.num_rows // rows
-        yield Chunk(index, shard.path, shard.format, rows=columns, input_bytes=share)
+    first = 1  # the first row of the group, for the error
+    for group in range(table.metadata.num_row_groups):
+        batches = table.iter_batches(ROWS_PER_CHUNK, row_groups=[group], columns=list(keys))
+        while True:
+            try:
+                batch = next(batches, None)
+                columns = batch.to_pydict() if batch is not None else None
+            except Exception as exc:  # pyarrow raises several types for a corrupt page
+                reason = " ".join(str(exc).split()) or type(exc).__name__
+                raise PreprocessError(
+                    f"{shard.path}: row group {group} (from row {first}): corrupt Parquet "
+                    f"data: {reason}"
+                ) from None
+            if batch is None:
+                break
+            share = shard.size * batch.num_rows // rows
+            yield Chunk(index, shard.path, shard.format, rows=columns, input_bytes=share)
+        first += table.metadata.row_group(group).num_rows
 
 
 def _check_columns(path: str, names: Sequence[str], keys: Sequence[str]) -> None:
