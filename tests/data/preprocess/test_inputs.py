@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hp_data import IndexedDataset, PreprocessError
 from hp_data.readers import discover
 
 from tests.helpers.corpus_files import WRITERS, english_records, write_jsonl, write_parquet
-from tests.helpers.run import read_bytes, run_preprocess
+from tests.helpers.run import HP_DATA, read_bytes, run_preprocess
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +208,36 @@ def test_a_missing_optional_dependency_names_the_extra(
     assert result.returncode == 1
     assert f"needs {module}: pip install 'hp-data[{extra}]'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz"])
+def test_standard_input_streams_to_the_same_bytes_as_the_file(tmp_path, example_tokenizer, fmt):
+    source = WRITERS[fmt](tmp_path, english_records(3, 300))
+    run_preprocess([source], tmp_path / "file", example_tokenizer)
+    result = subprocess.run(
+        [HP_DATA, "preprocess", "-", "--input-format", fmt, "--out", tmp_path / "piped"]
+        + ["--tokenizer", example_tokenizer, "--workers", "2", "--chunk-mb", "0.01"],
+        input=source.read_bytes(),
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert read_bytes(tmp_path / "piped") == read_bytes(tmp_path / "file")
+    bad = subprocess.run(
+        [HP_DATA, "preprocess", "-", "--out", tmp_path / "bad", "--tokenizer", example_tokenizer],
+        input=b'{"text": "fine"}\n{"text": 1}\n',
+        capture_output=True,
+        timeout=120,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.decode().strip() == "Error: <stdin>:2: 'text' must be a string, got int"
+
+
+def test_a_pipe_or_device_path_is_refused_not_read_as_empty(tmp_path, example_tokenizer):
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        with pytest.raises(PreprocessError, match="not a regular file .* standard input as -"):
+            run_preprocess([path], tmp_path / "out", example_tokenizer, input_format="jsonl")
+    with pytest.raises(PreprocessError, match="standard input .* not jsonl.zst"):
+        run_preprocess(["-"], tmp_path / "out", example_tokenizer, input_format="jsonl.zst")

@@ -37,7 +37,16 @@ from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
 from hp_data.progress import Progress, human
-from hp_data.readers import Chunk, Parsed, Shard, chunks, discover, location, read_chunk
+from hp_data.readers import (
+    STDIN,
+    Chunk,
+    Parsed,
+    Shard,
+    chunks,
+    discover,
+    location,
+    read_chunk,
+)
 from hp_data.tokenize import TokenizerFiles, encode_documents, vocab_size
 
 MANIFEST_VERSION = 1
@@ -383,7 +392,7 @@ def preprocess(
                 seen.add_new(block.reshape(-1, 2))  # type: ignore[union-attr]
 
     progress = Progress(
-        sum(s.size for s in shards),
+        0 if any(s.path == STDIN for s in shards) else sum(s.size for s in shards),
         "preprocess",
         enabled=options.show_progress,
         already=sum(s.size for s in shards[:resumed]),

@@ -39,6 +39,7 @@ class Progress:
         log_every: float = 10.0,
         already: int = 0,
     ) -> None:
+        self.known = total > 0  # 0: unknown (a stream), shown without a bar or an ETA
         self.total = max(total, 1)
         self.already = already  # done before this run (resumed work): not part of the rates
         self.label = label
@@ -72,11 +73,14 @@ class Progress:
         speed = (self.done - self.already) / elapsed
         if final:
             tail = f"{clock(elapsed)} total"
-        elif speed > 0:
-            tail = f"ETA {clock((self.total - self.done) / speed)}"
+        elif speed > 0 and self.known:
+            tail = f"ETA {clock(max(self.total - self.done, 0) / speed)}"
         else:
             tail = "ETA ?"
-        line = f"{self.label} [{bar}] {fraction:6.1%}  {rates}  {tail}"
+        if self.known:
+            line = f"{self.label} [{bar}] {fraction:6.1%}  {rates}  {tail}"
+        else:
+            line = f"{self.label} {human(self.done, 'B')} read  {rates}  {tail}"
         if self.tty:
             self.stream.write("\r" + line + ("\n" if final else ""))
         else:

@@ -14,9 +14,12 @@ import glob
 import gzip
 import json
 import os
+import sys
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from stat import S_ISREG
 from typing import Any, BinaryIO
 
 from hp_data.errors import PreprocessError, open_input
@@ -35,6 +38,7 @@ SUFFIXES = {
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf-saved", "hf")
 _HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
 ROWS_PER_CHUNK = 4096
+STDIN = "-"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
         else:
             matches = [spec]
         for match in matches:
+            if match == STDIN:
+                paths.append(match)
+                continue
             if not os.path.exists(match):
                 raise PreprocessError(f"{match}: no such file or directory")
             is_dataset_dir = input_format in ("hf", "hf-saved") or any(
@@ -137,6 +144,16 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
         if path in seen:
             continue
         seen.add(path)
+        if path == STDIN:
+            fmt = input_format or "jsonl"
+            if fmt not in ("jsonl", "jsonl.gz"):
+                raise PreprocessError(
+                    f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
+                    "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
+                )
+            # Never the same input twice: a stream cannot be resumed or identified.
+            shards.append(Shard(path, fmt, 0, time.time_ns()))
+            continue
         if os.path.isdir(path):
             if input_format == "hf":
                 fmt = "hf"
@@ -155,6 +172,11 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"{path}: cannot tell the format from the name; name it with --input-format"
                 )
             stat = os.stat(path)
+            if not S_ISREG(stat.st_mode):
+                raise PreprocessError(
+                    f"{path}: not a regular file (a pipe or a device has no size to split or "
+                    f"resume by); give its contents on standard input as -"
+                )
             size, mtime = stat.st_size, stat.st_mtime_ns
         shards.append(Shard(path, fmt, size, mtime))
     if not shards:
@@ -176,7 +198,9 @@ def chunks(
     """The chunks of one shard in order; the last has `last=True` (an empty shard has one).
 
     `split` and `cache_dir` apply to HF datasets (the cache of `load_dataset`)."""
-    if shard.format == "jsonl":
+    if shard.path == STDIN:
+        produced = _stream_blocks(index, shard, chunk_bytes, sys.stdin.buffer)
+    elif shard.format == "jsonl":
         produced = _jsonl_ranges(index, shard, chunk_bytes)
     elif shard.format in ("jsonl.gz", "jsonl.zst"):
         produced = _compressed_blocks(index, shard, chunk_bytes)
@@ -265,40 +289,61 @@ def zstd_frames_problem(stream: BinaryIO, size: int) -> str | None:
     return None
 
 
+class _Counted:
+    """A binary stream that counts the bytes read from it (a pipe has no `tell`)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+
 def _compressed_blocks(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
+    with open_input(shard.path, PreprocessError, "a compressed .jsonl file") as raw:
+        yield from _stream_blocks(index, shard, chunk_bytes, raw, shard.size)
+        if shard.format == "jsonl.zst":
+            problem = zstd_frames_problem(raw, os.fstat(raw.fileno()).st_size)
+            if problem:
+                raise PreprocessError(f"{shard.path}: corrupt zstd data: {problem}")
+
+
+def _stream_blocks(
+    index: int, shard: Shard, chunk_bytes: int, raw: BinaryIO, size: int = 0
+) -> Iterator[Chunk]:
+    """Whole lines of a stream read front to back: a compressed file (of `size` bytes, all
+    of them counted done at its end), or standard input."""
     import zstandard
 
-    with open_input(shard.path, PreprocessError, "a compressed .jsonl file") as raw:
-        reader = _open_compressed(raw, shard.format)
-        carry = b""
-        consumed = 0
-        while True:
-            try:
-                block = reader.read(chunk_bytes)
-            except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
-                kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
-                raise PreprocessError(f"{shard.path}: corrupt {kind} data: {exc}") from None
-            position = raw.tell()
-            if not block:
-                if shard.format == "jsonl.zst":
-                    problem = zstd_frames_problem(raw, os.fstat(raw.fileno()).st_size)
-                    if problem:
-                        raise PreprocessError(f"{shard.path}: corrupt zstd data: {problem}")
-                break
-            data = carry + block
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                carry = data
-                continue
-            carry = data[cut:]
-            yield Chunk(
-                index, shard.path, shard.format, blob=data[:cut], input_bytes=position - consumed
-            )
-            consumed = position
-        if carry or consumed < shard.size:
-            yield Chunk(
-                index, shard.path, shard.format, blob=carry, input_bytes=shard.size - consumed
-            )
+    counted = _Counted(raw)
+    reader = counted if shard.format == "jsonl" else _open_compressed(counted, shard.format)
+    name = "standard input" if shard.path == STDIN else shard.path
+    carry = b""
+    consumed = 0
+    while True:
+        try:
+            block = reader.read(chunk_bytes)
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+            kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
+            raise PreprocessError(f"{name}: corrupt {kind} data: {exc}") from None
+        if not block:
+            break
+        data = carry + block
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            carry = data
+            continue
+        carry = data[cut:]
+        yield Chunk(
+            index, shard.path, shard.format, blob=data[:cut], input_bytes=counted.count - consumed
+        )
+        consumed = counted.count
+    if carry or consumed < max(size, counted.count):
+        rest = max(size, counted.count) - consumed
+        yield Chunk(index, shard.path, shard.format, blob=carry, input_bytes=rest)
 
 
 def _require(module: str, extra: str) -> Any:
@@ -505,6 +550,8 @@ def _parse_rows(
 
 def location(shard: Shard, line: int) -> str:
     """`file:line` for JSON lines, `file: row N` for tables (both 1-based)."""
+    if shard.path == STDIN:
+        return f"<stdin>:{line}"
     if shard.format.startswith("jsonl"):
         return f"{shard.path}:{line}"
     return f"{shard.path}: row {line}"
