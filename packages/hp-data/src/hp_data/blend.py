@@ -20,6 +20,8 @@ import numpy as np
 
 from hp_data.cache import load_or_build
 from hp_data.errors import HpDataError
+from hp_data.format.commit import recover
+from hp_data.format.header import prefix_of
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_data.index import SPLITS, build_blending_indices, parse_split
 
@@ -211,7 +213,9 @@ def build_split(
 ) -> GPTDataset | BlendableDataset:
     """One split of `spec`: a GPTDataset for a single prefix, else a weighted blend."""
     prefixes, weights = parse_blend(spec)
+    prefixes = [prefix_of(prefix) for prefix in prefixes]  # a .bin/.idx path names its prefix
     for prefix in prefixes:
+        recover(prefix)
         if not os.path.exists(prefix + ".idx"):
             raise HpDataError(f"{prefix}.idx: no such dataset (in --data-path)")
     if len(prefixes) == 1 and weights is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -44,6 +45,12 @@ def _finite(param: click.Parameter, value: float) -> float:
 @click.version_option(package_name="hp-data")
 def main() -> None:
     """Build, check, merge and inspect Megatron-format (.bin/.idx) token datasets."""
+    warnings.formatwarning = _one_line_warning
+
+
+def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -> str:
+    """A warning as users of a command read it: no file, line or source of hp's code."""
+    return f"Warning: {message}\n"
 
 
 @main.command()

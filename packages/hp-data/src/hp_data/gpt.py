@@ -224,6 +224,14 @@ class GPTDataset:
     def get_batch(self, indices: Any) -> dict[str, np.ndarray]:
         """Items `indices` stacked to [B, L] (cu_seqlens, if asked, as a list)."""
         items = [self[int(i)] for i in indices]
+        if not items:  # an empty batch has the item's shapes, with no rows
+            length = self.config.seq_length
+            batch = {key: np.empty((0, length), np.int64) for key in ("tokens", "labels")}
+            batch["loss_mask"] = np.empty((0, length), np.float32)
+            batch["position_ids"] = np.empty((0, length), np.int64)
+            if self.config.return_cu_seqlens:
+                batch["cu_seqlens"] = []  # type: ignore[assignment]
+            return batch
         batch = {
             key: np.stack([item[key] for item in items])
             for key in ("tokens", "labels", "loss_mask", "position_ids")

@@ -400,10 +400,13 @@ def preprocess(
     run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
     try:
         cache = os.path.join(workdir.path, "hf-cache")
+        quiet = not options.show_progress
         work = (
             chunk
             for i in range(resumed, len(shards))
-            for chunk in chunks(i, shards[i], keys, options.chunk_bytes, options.split, cache)
+            for chunk in chunks(
+                i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet
+            )
         )
         with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
             for result in results:

@@ -167,6 +167,11 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
             size, mtime = _tree_size(path)
         else:
             fmt = input_format or _suffix_format(path)
+            if input_format is not None and input_format.startswith("hf"):
+                raise PreprocessError(
+                    f"{path}: --input-format {input_format} reads a directory (an HF dataset), "
+                    f"and this is a file; use --input-format jsonl or parquet, or none"
+                )
             if fmt is None or fmt.startswith("hf"):
                 raise PreprocessError(
                     f"{path}: cannot tell the format from the name; name it with --input-format"
@@ -194,10 +199,11 @@ def chunks(
     chunk_bytes: int,
     split: str = "train",
     cache_dir: str | None = None,
+    quiet: bool = False,
 ) -> Iterator[Chunk]:
     """The chunks of one shard in order; the last has `last=True` (an empty shard has one).
 
-    `split` and `cache_dir` apply to HF datasets (the cache of `load_dataset`)."""
+    `split`, `cache_dir` (the cache of `load_dataset`) and `quiet` apply to HF datasets."""
     if shard.path == STDIN:
         produced = _stream_blocks(index, shard, chunk_bytes, sys.stdin.buffer)
     elif shard.format == "jsonl":
@@ -207,7 +213,7 @@ def chunks(
     elif shard.format == "parquet":
         produced = _parquet_rows(index, shard, keys)
     else:
-        produced = _hf_rows(index, shard, keys, split, cache_dir)
+        produced = _hf_rows(index, shard, keys, split, cache_dir, quiet)
     previous: Chunk | None = None
     for chunk in produced:
         if previous is not None:
@@ -393,11 +399,15 @@ def _check_columns(path: str, names: Sequence[str], keys: Sequence[str]) -> None
         )
 
 
-def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None) -> Any:
-    """The `datasets.Dataset` of an HF shard, never touching a hub."""
+def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None, quiet: bool = False) -> Any:
+    """The `datasets.Dataset` of an HF shard, never touching a hub; `quiet` hides the
+    progress bars `datasets` draws while it converts files."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     datasets = _require("datasets", "hf")
+    was_enabled = not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
     try:
         if shard.format == "hf-saved":
             loaded = datasets.load_from_disk(shard.path)
@@ -406,6 +416,9 @@ def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None) -> Any:
     except Exception as exc:  # datasets raises many types for a bad directory
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise PreprocessError(f"{shard.path}: cannot load as an HF dataset: {reason}") from None
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise PreprocessError(
@@ -416,9 +429,9 @@ def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None) -> Any:
 
 
 def _hf_rows(
-    index: int, shard: Shard, keys: Sequence[str], split: str, cache_dir: str | None
+    index: int, shard: Shard, keys: Sequence[str], split: str, cache_dir: str | None, quiet: bool
 ) -> Iterator[Chunk]:
-    dataset = load_hf_dataset(shard, split, cache_dir)
+    dataset = load_hf_dataset(shard, split, cache_dir, quiet)
     _check_columns(shard.path, dataset.column_names, keys)
     total = max(len(dataset), 1)
     selected = dataset.select_columns(list(keys))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from collections.abc import Iterable
 
 from hp_data.errors import IndexedDatasetError
@@ -35,6 +36,8 @@ def expand_prefixes(specs: Iterable[str]) -> list[str]:
             prefix = prefix_of(match)
             if prefix not in prefixes:
                 prefixes.append(prefix)
+            elif match == spec:  # named twice outright, not just matched by a glob again
+                warnings.warn(f"{prefix}: named more than once; merged once", stacklevel=2)
     return prefixes
 
 

@@ -121,6 +121,8 @@ class IndexedDataset:
         if self._bin_view is not None:
             # The map is read-only, so the view is too: zero-copy and safe to hand out.
             return np.frombuffer(self._bin_view, self.dtype, count, byte_offset)
+        if self._bin_file.closed:
+            raise IndexedDatasetError(f"{self.path_prefix}: read after close(); open it again")
         out = np.empty(count, dtype=self.dtype)
         got = os.preadv(self._bin_file.fileno(), [out], byte_offset)
         if got != out.nbytes:
@@ -149,6 +151,7 @@ class IndexedDataset:
     def get(self, idx: int | np.integer, offset: int = 0, length: int | None = None) -> Any:
         """Tokens `[offset, offset + length)` of sequence `idx` (to its end when length is None)."""
         count = self._layout.sequence_count
+        idx = int(idx)  # a narrow numpy integer would overflow below
         if idx < 0:
             idx += count
         if not 0 <= idx < count:
@@ -168,7 +171,7 @@ class IndexedDataset:
 
     def get_document(self, doc: int) -> np.ndarray:
         """All tokens of document `doc`, its sequences back to back (one contiguous read)."""
-        count = self.num_documents
+        count, doc = self.num_documents, int(doc)
         if not -count <= doc < count:
             raise IndexError(f"document {doc} out of range for {count} documents")
         doc = doc + count if doc < 0 else doc
