@@ -17,6 +17,8 @@ from hp_data.gpt import GPTDatasetConfig
 from hp_data.index import parse_split
 from hp_data.registry import DatasetConfig, build_dataset
 
+from tests.helpers.corpus import random_corpus, write_with_hp
+
 HP_DATA = str(Path(sys.executable).parent / "hp-data")
 
 
@@ -50,6 +52,17 @@ INDEX = ["build-index", "--data-path", "/nonexistent/a", "--cache-dir", "/nonexi
 )
 def test_build_index_refuses_bad_numbers(extra, expected):
     _refused([*INDEX, *extra], expected)
+
+
+def test_sample_counts_beyond_memory_are_refused_before_any_work(tmp_path):
+    prefix = str(tmp_path / "c")
+    write_with_hp(prefix, random_corpus(1, max_documents=10))
+    _refused(
+        ["build-index", "--data-path", prefix, "--seq-len", "8", "--split", "1,0,0"]
+        + ["--num-samples", "10000000000", "--cache-dir", str(tmp_path / "cache")],
+        "GiB of index arrays, more than this machine's",
+    )
+    assert not list((tmp_path / "cache").glob("*.npy"))
 
 
 def test_overflowing_blend_weights_are_refused():

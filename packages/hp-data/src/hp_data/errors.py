@@ -4,6 +4,8 @@ Every user-facing failure (a corrupt file, a malformed corpus line, a bad argume
 these, so callers and the CLI can report it in one line instead of a traceback.
 """
 
+import os
+import stat
 from typing import BinaryIO
 
 
@@ -20,12 +22,20 @@ class PreprocessError(HpDataError):
 
 
 def open_input(path: str, error: type[HpDataError], expected: str) -> BinaryIO:
-    """Open `path` for binary reading, or raise `error` saying in one line why not."""
+    """Open regular file `path` for binary reading, or raise `error` saying in one line why
+    not. Opened without blocking: a FIFO at the path would otherwise wait for a writer."""
     try:
-        return open(path, "rb")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
     except IsADirectoryError:
         raise error(f"{path}: is a directory, expected {expected}") from None
     except OSError as exc:
         raise error(f"{path}: cannot read: {exc.strerror}") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise error(f"{path}: is {kind}, expected {expected}")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")

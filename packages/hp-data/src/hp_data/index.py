@@ -10,6 +10,7 @@ rule, sequential by nature) are compiled by numba on first use and cached, never
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,20 @@ FINAL_EPOCH_THRESHOLD = 0.80  # Megatron: a final epoch under 80% full is shuffl
 
 class IndexBuildError(HpDataError):
     """Index construction was asked for something impossible (no tokens, bad split, ...)."""
+
+
+def _require_memory(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, index arrays larger than this machine's memory: a typo'd
+    sample count would otherwise end in the OOM killer or hours of work."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform: nothing to check
+        return
+    if nbytes > memory:
+        raise IndexBuildError(
+            f"{what} need about {nbytes / 2**30:,.1f} GiB of index arrays, more than this "
+            f"machine's {memory / 2**30:,.1f} GiB of memory; ask for fewer samples"
+        )
 
 
 # -- splits ---------------------------------------------------------------------------------
@@ -201,6 +216,11 @@ def build_gpt_indices(
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length, extra)
+    samples = epochs * tokens_per_epoch // seq_length + 1
+    _require_memory(
+        epochs * len(documents) * 8 + samples * 24,
+        f"{num_samples or samples:,} samples ({epochs:,} epochs of {len(documents):,} documents)",
+    )
     separate, before = separate_final_epoch(
         epochs, tokens_per_epoch, num_samples, seq_length, extra
     )
@@ -284,6 +304,7 @@ def build_blending_indices(
     weights_array = np.ascontiguousarray(weights, dtype=np.float64)
     if weights_array.ndim != 1 or not 0 < len(weights_array) < 32767:
         raise IndexBuildError(f"need between 1 and 32766 weights, got {weights_array.shape}")
+    _require_memory(size * 10, f"{size:,} blended samples")
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
     if size:

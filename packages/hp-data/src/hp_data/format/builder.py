@@ -139,6 +139,11 @@ class IndexedDatasetBuilder:
         self, prefix: str | os.PathLike[str], dtype: DTypeLike = np.int32, multimodal: bool = False
     ) -> None:
         self.prefix = prefix_of(prefix)
+        if not os.path.basename(self.prefix):
+            raise IndexedDatasetError(
+                f"{os.fspath(prefix)!r}: an output prefix needs a file name, e.g. out/corpus "
+                "(for out/corpus.bin and out/corpus.idx)"
+            )
         self.dtype = as_token_dtype(dtype)
         self.multimodal = multimodal
         directory = os.path.dirname(os.path.abspath(self.prefix))
