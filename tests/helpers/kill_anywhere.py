@@ -12,6 +12,7 @@ worker, which keeps `tokenizers` single-threaded, so forking it is safe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,10 +100,10 @@ class Outputs:
         return any(p.with_name(f".{p.name}.hp-commit").exists() for p in self.prefixes)
 
     def open_all(self) -> None:
-        from hp_data import IndexedDataset
+        from hp_data import IndexedDataset, IndexedDatasetError
 
         for prefix in self.prefixes:
-            if prefix.with_name(prefix.name + ".idx").exists():
+            with contextlib.suppress(IndexedDatasetError):  # no dataset there (yet)
                 IndexedDataset(str(prefix)).close()
 
     def restore(self, old: list) -> None:
@@ -133,7 +134,9 @@ def _preprocess_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Out
     return lambda: preprocess(inputs, str(out), tokenizer, options) and None, Outputs(prefixes)
 
 
-def _merge_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
+def _merge_job(
+    root: Path, tokenizer: str, over_old: bool = True
+) -> tuple[Callable[[], None], Outputs]:
     from hp_data import IndexedDatasetBuilder
     from hp_data.format.merge import merge_datasets
 
@@ -144,7 +147,8 @@ def _merge_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]
                 builder.add_item(rng.integers(0, 1000, rng.integers(1, 40)))
                 builder.end_document()
     out = root / "out" / "merged"
-    assert not _in_child(lambda: merge_datasets(str(out), [str(root / "x")]) and None, None)
+    if over_old:
+        assert not _in_child(lambda: merge_datasets(str(out), [str(root / "x")]) and None, None)
     inputs = [str(root / "y"), str(root / "z")]
     return lambda: merge_datasets(str(out), inputs) and None, Outputs([out])
 
@@ -186,7 +190,12 @@ def _build_index_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Ou
     return job, CacheOutputs([])
 
 
-JOBS = {"preprocess": _preprocess_job, "merge": _merge_job, "build-index": _build_index_job}
+JOBS = {
+    "preprocess": _preprocess_job,
+    "merge": _merge_job,
+    "merge-fresh": lambda root, tokenizer: _merge_job(root, tokenizer, over_old=False),
+    "build-index": _build_index_job,
+}
 
 
 def main(job_name: str, directory: str, tokenizer: str) -> None:
