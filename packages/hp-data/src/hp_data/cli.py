@@ -25,6 +25,7 @@ class _Group(click.Group):
     """Turns hp-data's own errors and OS errors into one line on stderr and exit code 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        formatter, warnings.formatwarning = warnings.formatwarning, _one_line_warning
         try:
             return super().invoke(ctx)
         except HpDataError as exc:
@@ -32,6 +33,8 @@ class _Group(click.Group):
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             raise click.ClickException(f"{where}{exc.strerror or exc}") from None
+        finally:
+            warnings.formatwarning = formatter
 
 
 def _finite(param: click.Parameter, value: float) -> float:
@@ -45,7 +48,6 @@ def _finite(param: click.Parameter, value: float) -> float:
 @click.version_option(package_name="hp-data")
 def main() -> None:
     """Build, check, merge and inspect Megatron-format (.bin/.idx) token datasets."""
-    warnings.formatwarning = _one_line_warning
 
 
 def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -> str:
