@@ -74,7 +74,7 @@ def command_lines(draw, paths: Paths) -> tuple[list[str], Path]:
     """A command line, and the directory its outputs go to (fresh for each example)."""
     out = paths.root / f"out-{draw(st.integers(0, 10**9))}"
     numbers, inputs = st.sampled_from(NUMBERS), paths.inputs()
-    command = draw(st.sampled_from(["inspect", "merge", "preprocess", "build-index"]))
+    command = draw(st.sampled_from(["inspect", "merge", "preprocess", "build-index", "plan"]))
     if command == "inspect":
         args = ["inspect", draw(paths.inputs(paths.dataset))] + _options(
             draw,
@@ -88,9 +88,21 @@ def command_lines(draw, paths: Paths) -> tuple[list[str], Path]:
         )
     elif command == "merge":
         targets = st.sampled_from([str(out / "m"), str(out / ""), str(out / ".idx"), paths.fifo])
-        sources = st.lists(paths.inputs(paths.dataset), min_size=1, max_size=3)
+        sources = st.lists(paths.inputs(paths.dataset), min_size=0, max_size=3)
         args = ["merge", draw(targets), *draw(sources)]
-        args += _options(draw, {"--quiet": None})
+        args += _options(draw, {"--quiet": None, "--shards": None})
+    elif command == "plan":
+        args = ["plan", *draw(st.lists(paths.inputs(paths.corpus), min_size=1, max_size=2))]
+        args += _options(
+            draw,
+            {
+                "--units": numbers,
+                "--unit-mb": numbers,
+                "--num-shards": numbers,
+                "--input-format": st.sampled_from(["jsonl", "parquet", "x"]),
+                "--json": None,
+            },
+        )
     elif command == "preprocess":
         args = ["preprocess", *draw(st.lists(paths.inputs(paths.corpus), min_size=1, max_size=2))]
         args += ["--out", str(out / draw(st.sampled_from(["p", "", ".bin", "sub/p"])))]
@@ -112,6 +124,10 @@ def command_lines(draw, paths: Paths) -> tuple[list[str], Path]:
                 "--input-format": st.sampled_from(["jsonl", "jsonl.zst", "parquet", "hf", "x"]),
                 "--split": st.sampled_from(["train", "", "nope"]),
                 "--chunk-mb": _mostly("0.001", NUMBERS),
+                "--num-shards": _mostly("3", NUMBERS),
+                "--shard-index": _mostly("1", NUMBERS),
+                "--units": numbers,
+                "--unit-mb": numbers,
                 "--quiet": None,
                 "--json": None,
             },

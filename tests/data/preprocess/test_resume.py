@@ -28,7 +28,7 @@ def shards(tmp_path, example_corpus) -> list[Path]:
     return paths
 
 
-def _start(inputs, out, tokenizer, workers: int) -> subprocess.Popen:
+def _start(inputs, out, tokenizer, workers: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             HP_DATA,
@@ -47,6 +47,7 @@ def _start(inputs, out, tokenizer, workers: int) -> subprocess.Popen:
             "--json",
             "--chunk-mb",
             "0.05",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -101,6 +102,29 @@ def test_killed_run_resumes_at_the_first_unfinished_shard(
         "reference.bin",
         "reference.idx",
     ]
+
+
+@pytest.mark.slow
+def test_a_killed_run_over_one_file_resumes_from_its_last_finished_unit(
+    tmp_path, example_corpus, example_tokenizer
+):
+    # Byte-range work units bring resume below file granularity (plan.py).
+    run_preprocess(
+        [example_corpus],
+        tmp_path / "reference",
+        example_tokenizer,
+        append_eod=True,
+        dedup="exact",
+    )
+    out = tmp_path / "out"
+    process = _start([example_corpus], out, example_tokenizer, 1, "--unit-mb", "0.1")
+    _kill_when(process, lambda: _finished_shards(out) >= 3)
+    rerun = _start([example_corpus], out, example_tokenizer, 1, "--unit-mb", "0.1")
+    stdout, stderr = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["resumed_shards"] >= 3 and summary["shards"] > summary["resumed_shards"]
+    assert read_bytes(out) == read_bytes(tmp_path / "reference")
 
 
 @pytest.mark.slow

@@ -15,8 +15,10 @@ from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
+from hp_data.plan import describe, plan_units, shard_groups, unit_bytes_for
 from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
-from hp_data.readers import FORMATS
+from hp_data.readers import FORMATS, discover
+from hp_data.shards import merge_shards
 from hp_data.summary import format_report, summarize
 from hp_data.tokenize import decode_ids, load_tokenizer
 
@@ -35,6 +37,12 @@ class _Group(click.Group):
             raise click.ClickException(f"{where}{exc.strerror or exc}") from None
         finally:
             warnings.formatwarning = formatter
+
+
+def _unit_bytes(units: int | None, unit_mb: float | None) -> int | None:
+    if units is not None and unit_mb is not None:
+        raise click.UsageError("give --units or --unit-mb, not both")
+    return None if unit_mb is None else max(int(unit_mb * (1 << 20)), 1)
 
 
 def _finite(param: click.Parameter, value: float) -> float:
@@ -109,10 +117,34 @@ def inspect(
 
 @main.command()
 @click.argument("out_prefix")
-@click.argument("inputs", nargs=-1, required=True)
+@click.argument("inputs", nargs=-1)
+@click.option(
+    "--shards",
+    is_flag=True,
+    help="Merge the finished shards of a preprocess run split with --num-shards into "
+    "OUT_PREFIX (byte-identical to a one-machine run).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
-    """Concatenate datasets INPUTS (prefixes, globs or directories) into OUT_PREFIX, in order."""
+def merge(out_prefix: str, inputs: tuple[str, ...], shards: bool, quiet: bool) -> None:
+    """Concatenate datasets INPUTS (prefixes, globs or directories) into OUT_PREFIX, in order;
+    or, with --shards, the shards of OUT_PREFIX."""
+    if shards:
+        if inputs:
+            raise click.UsageError("--shards takes no INPUTS: it finds OUT_PREFIX.shard-*")
+        merged = merge_shards(out_prefix, show_progress=not quiet)
+        click.echo(
+            f"merged {merged['shards']} shard(s) into "
+            + ", ".join(f"{p}.bin/.idx" for p in merged["outputs"].values())
+            + f": {merged['documents']:,} documents"
+            + (
+                f" ({merged['duplicates_across_shards']:,} duplicates across shards dropped)"
+                if merged["duplicates_across_shards"]
+                else ""
+            )
+        )
+        return
+    if not inputs:
+        raise click.UsageError("give the INPUTS to merge, or --shards")
     prefixes = expand_prefixes(inputs)
     merge_datasets(out_prefix, prefixes, show_progress=not quiet)
     with IndexedDataset(out_prefix, validate=False) as merged:
@@ -120,6 +152,55 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
             f"merged {len(prefixes)} dataset(s) into {merged.path_prefix}: "
             f"{merged.num_documents:,} documents, {merged.num_tokens:,} tokens, {merged.dtype}"
         )
+
+
+@main.command(name="plan")
+@click.argument("corpus", nargs=-1, required=True)
+@click.option("--units", type=click.IntRange(min=1), default=None, help="About this many units.")
+@click.option(
+    "--unit-mb",
+    type=click.FloatRange(min=0.001, max=1 << 30),
+    callback=lambda ctx, param, value: None if value is None else _finite(param, value),
+    default=None,
+    help="Work-unit size in MB [default: 256, or a quarter of a shard].",
+)
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1, max=99_999),
+    default=1,
+    show_default=True,
+    help="Also show which shard of this many takes each unit.",
+)
+@click.option("--input-format", type=click.Choice(FORMATS), default=None, help="As for preprocess.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+def plan_command(
+    corpus: tuple[str, ...],
+    units: int | None,
+    unit_mb: float | None,
+    num_shards: int,
+    input_format: str | None,
+    as_json: bool,
+) -> None:
+    """Show how CORPUS is cut into work units (files, line-aligned byte ranges of JSONL,
+    Parquet row groups) and which shard of --num-shards processes each, as preprocess will."""
+    found = discover(list(corpus), input_format)
+    total = sum(shard.size for shard in found)
+    size = _unit_bytes(units, unit_mb) or unit_bytes_for(total, units, num_shards)
+    planned = plan_units(found, size)
+    described = describe(planned, shard_groups(planned, num_shards))
+    if as_json:
+        click.echo(json.dumps(described))
+        return
+    for row in described["units"]:
+        where = f" {row['kind']} {row['start']}-{row['end']}" if "start" in row else ""
+        click.echo(
+            f"unit {row['unit']:>5}  shard {row['shard']:>5}  {row['path']}{where}  "
+            f"({row['bytes']:,} bytes)"
+        )
+    click.echo(
+        f"{len(planned)} unit(s), {described['total_bytes']:,} bytes, {num_shards} shard(s); "
+        f"plan {described['fingerprint']}"
+    )
 
 
 @main.command(name="preprocess")
@@ -208,6 +289,32 @@ def merge(out_prefix: str, inputs: tuple[str, ...], quiet: bool) -> None:
     show_default=True,
     help="Input per work unit, in MB.",
 )
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1, max=99_999),
+    default=1,
+    show_default=True,
+    help="Split the run into this many shards (one per machine: a Slurm array, Ray tasks).",
+)
+@click.option(
+    "--shard-index",
+    type=click.IntRange(min=0, max=99_998),
+    default=None,
+    help="Process only this shard, into OUT.shard-0000I-of-0000N; then merge OUT --shards.",
+)
+@click.option(
+    "--units",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cut the inputs into about this many work units (see hp-data plan).",
+)
+@click.option(
+    "--unit-mb",
+    type=click.FloatRange(min=0.001, max=1 << 30),
+    callback=lambda ctx, param, value: None if value is None else _finite(param, value),
+    default=None,
+    help="Work-unit size in MB [default: 256, or a quarter of a shard].",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def preprocess_command(
@@ -227,6 +334,10 @@ def preprocess_command(
     input_format: str | None,
     split: str,
     chunk_mb: float,
+    num_shards: int,
+    shard_index: int | None,
+    units: int | None,
+    unit_mb: float | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -247,7 +358,13 @@ def preprocess_command(
         split=split,
         chunk_bytes=int(chunk_mb * (1 << 20)),
         show_progress=not quiet,
+        unit_bytes=_unit_bytes(units, unit_mb),
+        units=units,
+        num_shards=num_shards,
+        shard_index=shard_index,
     )
+    if num_shards > 1 and shard_index is None:
+        raise click.UsageError("--num-shards needs --shard-index (which shard this run is)")
     summary = preprocess(list(corpus), out_prefix, tokenizer, options)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))

@@ -36,6 +36,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.plan import plan_units, unit_bytes_for
 from hp_data.progress import Progress, human
 from hp_data.readers import (
     STDIN,
@@ -47,6 +48,7 @@ from hp_data.readers import (
     location,
     read_chunk,
 )
+from hp_data.shards import ShardTask
 from hp_data.tokenize import TokenizerFiles, encode_documents, vocab_size
 
 MANIFEST_VERSION = 1
@@ -75,6 +77,10 @@ class PreprocessOptions:
     split: str = "train"
     chunk_bytes: int = 1 << 20
     show_progress: bool = True
+    unit_bytes: int | None = None  # work-unit size (plan.py); None: plan.unit_bytes_for
+    units: int | None = None  # or about this many work units
+    num_shards: int = 1  # with shard_index: process one of num_shards groups of units
+    shard_index: int | None = None
 
 
 def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
@@ -362,7 +368,23 @@ def preprocess(
         raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
     if options.workers < 1:
         raise PreprocessError("--workers must be at least 1")
-    shards = discover(inputs, options.input_format)
+    found = discover(inputs, options.input_format)
+    sharded = options.shard_index is not None
+    if options.num_shards < 1 or (sharded and not 0 <= options.shard_index < options.num_shards):
+        raise PreprocessError(
+            f"--shard-index {options.shard_index} of --num-shards {options.num_shards}: "
+            "give 0 <= index < shards"
+        )
+    if (options.unit_bytes is not None and options.unit_bytes < 1) or (
+        options.units is not None and options.units < 1
+    ):
+        raise PreprocessError("--units and --unit-mb must be positive")
+    if sharded and any(s.path == STDIN for s in found):
+        raise PreprocessError("standard input (-) cannot be split over shards; give files")
+    total = sum(s.size for s in found)
+    units = plan_units(
+        found, options.unit_bytes or unit_bytes_for(total, options.units, options.num_shards)
+    )
     files = TokenizerFiles.locate(tokenizer_path)
     tokenizer = files.load()
     vocabulary = vocab_size(tokenizer)
@@ -383,7 +405,18 @@ def preprocess(
         stop_at_invalid=not options.skip_invalid,
     )
     outputs = output_prefixes(out_prefix, keys)
-    workdir = _WorkDir(out_prefix, _config_hash(files, spec, options))
+    config = _config_hash(files, spec, options)
+    task = None
+    shards = units
+    if sharded:
+        task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
+        shards = units[task.units.start : task.units.stop]
+        outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
+        done = task.finished(outputs)
+        if done is not None:  # a finished shard is not done again
+            return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
+        out_prefix = task.prefix
+    workdir = _WorkDir(out_prefix, config)
     resumed = workdir.reusable(shards, keys)
     seen = HashSet() if spec.dedup else None
     for index in range(resumed if seen is not None else 0):
@@ -392,10 +425,10 @@ def preprocess(
                 seen.add_new(block.reshape(-1, 2))  # type: ignore[union-attr]
 
     progress = Progress(
-        0 if any(s.path == STDIN for s in shards) else sum(s.size for s in shards),
+        0 if any(s.path == STDIN for s in shards) else sum(s.nbytes for s in shards),
         "preprocess",
         enabled=options.show_progress,
-        already=sum(s.size for s in shards[:resumed]),
+        already=sum(s.nbytes for s in shards[:resumed]),
     )
     run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
     try:
@@ -432,8 +465,12 @@ def preprocess(
         raise
     finalize_together(finals)
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
+    summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
+    if task is not None:  # the shard's hashes and manifest, after its datasets
+        hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
+        task.commit(outputs, hashes, summary.__dict__)
     workdir.remove()
-    return _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
+    return summary
 
 
 class _Run:

@@ -10,6 +10,7 @@ name; inside a file, lines (or rows) in file order.
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -43,16 +44,27 @@ STDIN = "-"
 
 @dataclass(frozen=True)
 class Shard:
-    """One input: a file or an HF dataset directory, with what identifies its contents."""
+    """One input (a file or an HF dataset directory, with what identifies its contents), or a
+    part of one: bytes `[start, end)` of a plain JSONL file, row groups `[start, end)` of a
+    Parquet file (`end=None`: the whole input). See `plan.py`."""
 
     path: str
     format: str
     size: int
     mtime_ns: int
+    start: int = 0
+    end: int | None = None
+    first_row: int = 0  # rows of a Parquet file before this part, for `file: row N`
+    part_bytes: int | None = None  # input bytes this part stands for (None: `size`)
 
     @property
     def identity(self) -> list[object]:
-        return [self.path, self.format, self.size, self.mtime_ns]
+        whole = [self.path, self.format, self.size, self.mtime_ns]
+        return whole if self.end is None else [*whole, self.start, self.end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size if self.part_bytes is None else self.part_bytes
 
 
 @dataclass
@@ -228,7 +240,8 @@ def chunks(
 def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
     with open_input(shard.path, PreprocessError, "a .jsonl file") as stream:
         size = os.fstat(stream.fileno()).st_size
-        start = 0
+        size = size if shard.end is None else min(shard.end, size)
+        start = shard.start  # a part starts on a line start (plan.py)
         while start < size:
             stream.seek(min(start + chunk_bytes, size))
             stream.readline()  # extend to the end of the line the cut falls in
@@ -370,8 +383,12 @@ def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chu
     names = table.schema_arrow.names
     _check_columns(shard.path, names, keys)
     rows = max(table.metadata.num_rows, 1)
-    first = 1  # the first row of the group, for the error
-    for group in range(table.metadata.num_row_groups):
+    groups = range(table.metadata.num_row_groups)
+    if shard.end is not None:
+        groups = range(shard.start, shard.end)
+        rows = max(sum(table.metadata.row_group(g).num_rows for g in groups), 1)
+    first = shard.first_row + 1  # the first row of the group, for the error
+    for group in groups:
         batches = table.iter_batches(ROWS_PER_CHUNK, row_groups=[group], columns=list(keys))
         while True:
             try:
@@ -385,7 +402,7 @@ def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chu
                 ) from None
             if batch is None:
                 break
-            share = shard.size * batch.num_rows // rows
+            share = shard.nbytes * batch.num_rows // rows
             yield Chunk(index, shard.path, shard.format, rows=columns, input_bytes=share)
         first += table.metadata.row_group(group).num_rows
 
@@ -562,9 +579,27 @@ def _parse_rows(
 
 
 def location(shard: Shard, line: int) -> str:
-    """`file:line` for JSON lines, `file: row N` for tables (both 1-based)."""
+    """`file:line` for JSON lines, `file: row N` for tables (both 1-based; `line` counts
+    from the start of the part)."""
     if shard.path == STDIN:
         return f"<stdin>:{line}"
     if shard.format.startswith("jsonl"):
-        return f"{shard.path}:{line}"
-    return f"{shard.path}: row {line}"
+        return f"{shard.path}:{_lines_before(shard.path, shard.start) + line}"
+    return f"{shard.path}: row {shard.first_row + line}"
+
+
+@functools.lru_cache(maxsize=64)
+def _lines_before(path: str, offset: int) -> int:
+    """Lines of `path` before byte `offset` (a line start): counted only when a part that
+    starts inside a file reports a line, so runs without errors never pay for it."""
+    if offset == 0:
+        return 0
+    count = 0
+    with open_input(path, PreprocessError, "a .jsonl file") as stream:
+        while offset > 0:
+            block = stream.read(min(offset, 16 << 20))
+            if not block:
+                break
+            count += block.count(b"\n")
+            offset -= len(block)
+    return count

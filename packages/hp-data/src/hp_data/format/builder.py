@@ -282,9 +282,13 @@ class IndexedDatasetBuilder:
         return lengths_array
 
     def add_index(
-        self, other: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+        self,
+        other: str | os.PathLike[str],
+        on_bytes: Callable[[int], None] | None = None,
+        keep: np.ndarray | None = None,
     ) -> None:
-        """Append every document of another dataset, streaming its `.bin` (dtypes must match).
+        """Append every document of another dataset, streaming its `.bin` (dtypes must match);
+        with `keep` (a bool per document), only those documents.
 
         `on_bytes(n)` is called as each block of `n` bytes of the `.bin` is copied.
         """
@@ -295,6 +299,9 @@ class IndexedDatasetBuilder:
                     f"{source.idx_path}: dtype {source.dtype} differs from the output's "
                     f"{self.dtype}; datasets of different dtypes cannot be concatenated"
                 )
+            if keep is not None and not np.all(keep):
+                self._add_kept(source, np.asarray(keep, dtype=bool), on_bytes)
+                return
             offset = self._lengths.count
             step = 1 << 20
             for start in range(0, len(source), step):
@@ -311,6 +318,47 @@ class IndexedDatasetBuilder:
                     self._bin.write(block)
                     if on_bytes is not None:
                         on_bytes(len(block))
+
+    def _add_kept(
+        self, source: IndexedDataset, keep: np.ndarray, on_bytes: Callable[[int], None] | None
+    ) -> None:
+        """The documents of `source` that `keep` marks, in blocks of documents: each block's
+        tokens are read in one piece and masked, so no Python loop runs per document."""
+        if self._modes is not None:
+            raise IndexedDatasetError("add_index(keep=...) does not carry multimodal modes")
+        if len(keep) != source.num_documents:
+            raise IndexedDatasetError(
+                f"{source.idx_path}: {len(keep)} flags for {source.num_documents} documents"
+            )
+        boundaries, pointers = source.document_indices, source.sequence_pointers
+        end_of_data = os.path.getsize(source.bin_path)
+
+        def offset(document: int) -> int:  # where document `document` starts in the .bin
+            sequence = int(boundaries[document])
+            return int(pointers[sequence]) if sequence < len(pointers) else end_of_data
+
+        first = 0
+        with open(source.bin_path, "rb") as data:
+            while first < len(keep):
+                last = min(first + (1 << 18), len(keep))
+                while last > first + 1 and offset(last) - offset(first) > COPY_BUFFER * 4:
+                    last = first + (last - first) // 2  # at most 64 MiB of tokens at once
+                low, high = int(boundaries[first]), int(boundaries[last])
+                lengths = np.asarray(source.sequence_lengths[low:high], dtype=np.int64)
+                per_document = np.diff(boundaries[first : last + 1])
+                kept_sequences = np.repeat(keep[first:last], per_document)
+                tokens = np.empty(0, self.dtype)
+                if high > low:
+                    data.seek(int(source.sequence_pointers[low]))
+                    tokens = np.fromfile(data, self.dtype, int(lengths.sum()))
+                self.add_batch(
+                    tokens[np.repeat(kept_sequences, lengths)],
+                    lengths[kept_sequences],
+                    per_document[keep[first:last]],
+                )
+                if on_bytes is not None:
+                    on_bytes(tokens.nbytes)
+                first = last
 
     def finalize(self) -> str:
         """Write the index and move both files into place atomically; returns the prefix.

@@ -1,0 +1,234 @@
+"""One shard of a run split over machines, and the merge of all shards into one dataset.
+
+`hp-data preprocess ... --num-shards N --shard-index I --out PREFIX` processes group I of the
+plan's units (plan.py) into `PREFIX.shard-0000I-of-0000N.bin/.idx` (per key, after Megatron's
+key suffix) and, once those are committed, a manifest `PREFIX.shard-0000I-of-0000N.json`:
+the run's configuration and plan fingerprints, the units it covers, the outputs and counts.
+With `--dedup exact` the shard drops duplicates within itself and keeps the 128-bit hashes of
+what it wrote (`.hashes`), so that the merge can keep first occurrences in global order.
+
+`hp-data merge PREFIX --shards` checks every shard's manifest (all N present, one
+configuration, one plan, units tiling it without gap or overlap) before writing anything, then
+streams the shards into `PREFIX.bin/.idx` in order. The result is byte-identical to a
+one-machine run of the same inputs and options.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hp_data.dedup import HashSet
+from hp_data.errors import PreprocessError
+from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
+from hp_data.format.commit import recover
+from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.plan import fingerprint, shard_groups, shard_name
+from hp_data.progress import Progress
+from hp_data.readers import Shard
+
+MANIFEST_VERSION = 1
+_NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Shard `index` of `count` of a run writing `base` (its --out prefix)."""
+
+    base: str
+    index: int
+    count: int
+    units: range  # of the plan
+    total_units: int
+    plan: str  # the plan's fingerprint
+    config: str  # the run's configuration fingerprint
+
+    @classmethod
+    def of(
+        cls, base: str, index: int, count: int, units: Sequence[Shard], config: str
+    ) -> ShardTask:
+        group = shard_groups(units, count)[index]
+        return cls(prefix_of(base), index, count, group, len(units), fingerprint(units), config)
+
+    @property
+    def prefix(self) -> str:
+        return shard_name(self.base, self.index, self.count)
+
+    @property
+    def manifest_path(self) -> str:
+        return self.prefix + ".json"
+
+    def name_for(self, output: str) -> str:
+        return shard_name(output, self.index, self.count)
+
+    def finished(self, outputs: dict[str, str]) -> dict[str, Any] | None:
+        """The summary of this shard when an earlier run finished it as asked, else None."""
+        try:
+            with open(self.manifest_path, encoding="utf-8") as stream:
+                manifest = json.load(stream)
+        except (OSError, ValueError):
+            return None
+        same = (
+            manifest.get("version") == MANIFEST_VERSION
+            and manifest.get("config") == self.config
+            and manifest.get("plan") == self.plan
+            and manifest.get("units") == [self.units.start, self.units.stop]
+        )
+        for prefix in outputs.values():
+            recover(prefix)
+        present = all(os.path.exists(idx_path(p)) for p in outputs.values())
+        return manifest["summary"] if same and present else None
+
+    def commit(
+        self, outputs: dict[str, str], unit_hashes: list[str] | None, summary: dict[str, Any]
+    ) -> None:
+        """Record the finished shard: its hashes (concatenated), then its manifest."""
+        hashes = None
+        if unit_hashes is not None:
+            hashes = self.prefix + ".hashes"
+            tmp = f"{hashes}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as out:
+                for path in unit_hashes:
+                    with open(path, "rb") as source:
+                        while block := source.read(16 << 20):
+                            out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, hashes)
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "config": self.config,
+            "plan": self.plan,
+            "index": self.index,
+            "count": self.count,
+            "units": [self.units.start, self.units.stop],
+            "total_units": self.total_units,
+            "outputs": {key: os.path.basename(p) for key, p in outputs.items()},
+            "hashes": os.path.basename(hashes) if hashes else None,
+            "summary": summary,
+        }
+        _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
+
+
+def _manifests(base: str) -> list[dict[str, Any]]:
+    """Every shard manifest of `base`, checked to form one complete run, in order."""
+    found = sorted(glob.glob(glob.escape(base) + ".shard-*-of-*.json"))
+    if not found:
+        raise PreprocessError(
+            f"{base}: no finished shards ({os.path.basename(base)}.shard-*-of-*.json); "
+            "a shard writes its manifest when it is done"
+        )
+    counts = {int(_NAME.search(path).group(2)) for path in found if _NAME.search(path)}
+    if len(counts) != 1:
+        raise PreprocessError(f"{base}: shards of runs split {sorted(counts)} ways; keep one")
+    count = counts.pop()
+    manifests: list[dict[str, Any]] = []
+    for index in range(count):
+        path = shard_name(base, index, count) + ".json"
+        try:
+            with open(path, encoding="utf-8") as stream:
+                manifest = json.load(stream)
+        except FileNotFoundError:
+            raise PreprocessError(
+                f"{path}: shard {index} of {count} is missing or not finished; run it "
+                f"(--num-shards {count} --shard-index {index}) and merge again"
+            ) from None
+        except ValueError as exc:
+            raise PreprocessError(f"{path}: unreadable shard manifest: {exc}") from None
+        manifest["path"] = path
+        manifests.append(manifest)
+    first = manifests[0]
+    covered = 0
+    for manifest in manifests:
+        for field, what in (("config", "options or tokenizer"), ("plan", "inputs")):
+            if manifest.get(field) != first.get(field):
+                raise PreprocessError(
+                    f"{manifest['path']}: made with other {what} than {first['path']}; "
+                    "rerun it with the same command line"
+                )
+        start, stop = manifest["units"]
+        if start != covered or manifest.get("version") != MANIFEST_VERSION:
+            raise PreprocessError(
+                f"{manifest['path']}: covers units {start} to {stop}, but the shards before it "
+                f"end at {covered}; rerun it with the same command line"
+            )
+        covered = stop
+    if covered != first["total_units"]:
+        raise PreprocessError(
+            f"{base}: the shards cover {covered} of {first['total_units']} units; rerun the last"
+        )
+    return manifests
+
+
+def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]:
+    """Merge the finished shards of `out_prefix` into its outputs; returns what was written.
+
+    Everything is checked before anything is written. With `--dedup exact` shards, a
+    document is kept only where its hash first occurs in shard order, as one machine does."""
+    base = prefix_of(out_prefix)
+    manifests = _manifests(base)
+    directory = os.path.dirname(base)
+    keys = list(manifests[0]["outputs"])
+    dedup = manifests[0]["hashes"] is not None
+    sources = [{key: os.path.join(directory, m["outputs"][key]) for key in keys} for m in manifests]
+    for shard in sources:
+        for prefix in shard.values():
+            recover(prefix)
+            if not os.path.exists(bin_path(prefix)) or not os.path.exists(idx_path(prefix)):
+                raise PreprocessError(f"{prefix}: a finished shard's dataset is missing")
+    from hp_data.format.reader import IndexedDataset
+
+    with IndexedDataset(sources[0][keys[0]], validate=False) as first:
+        dtype = first.dtype
+    # A shard's output is its one-machine counterpart's name plus `.shard-I-of-N`.
+    finals = {key: sources[0][key][: -len(".shard-00000-of-00000")] for key in keys}
+    total = sum(os.path.getsize(bin_path(p)) for shard in sources for p in shard.values())
+    progress = Progress(total, "merge", enabled=show_progress)
+    copied = 0
+
+    def advance(count: int) -> None:
+        nonlocal copied
+        copied += count
+        progress.update(copied, bytes=copied)
+
+    seen = HashSet() if dedup else None
+    builders = [IndexedDatasetBuilder(finals[key], dtype) for key in keys]
+    documents = duplicates = 0
+    try:
+        for manifest, shard in zip(manifests, sources, strict=True):
+            keep = None
+            if seen is not None:
+                hashes = np.fromfile(os.path.join(directory, manifest["hashes"]), np.uint64)
+                keep = seen.add_new(hashes.reshape(-1, 2))
+                duplicates += int((~keep).sum())
+            for key, builder in zip(keys, builders, strict=True):
+                builder.add_index(shard[key], on_bytes=advance, keep=keep)
+        documents = builders[0].document_count
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+    finalize_together(builders)
+    progress.close()
+    return {
+        "outputs": finals,
+        "shards": len(manifests),
+        "documents": documents,
+        "duplicates_across_shards": duplicates,
+    }
