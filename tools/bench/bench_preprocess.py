@@ -11,6 +11,14 @@ into documents of 3-60 sentences). Then, each in a fresh process:
 - hp: `hp-data preprocess corpus.jsonl --workers N --append-eod`, the whole run end to end.
 
 Prints tokens/s, MB/s, documents/s for both, hp's share of the ceiling, and hp's peak RSS.
+
+    uv run python tools/bench/bench_preprocess.py --shards 1,2,4 [--workers 2]
+
+instead runs the sharded path against the one-process run: for each N, the N shards one after
+another as separate processes (as a Slurm array runs them on N machines), then
+`hp-data merge --shards`. Prints each shard's throughput, the merge's time and GB/s, the merge's
+share of a run on N machines (slowest shard + merge), the sharding overhead (all shards + merge
+against the one-process run), and checks the merged bytes equal the one-process output.
 """
 
 from __future__ import annotations
@@ -96,14 +104,89 @@ def prepare(cache: Path, megabytes: float) -> tuple[Path, Path]:
     return corpus, tokenizer_path
 
 
+def _timed(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return time.perf_counter() - start
+
+
+def sharded(corpus: Path, tokenizer: Path, workers: int, counts: list[int]) -> None:
+    """The sharded path against one process, side by side (see the module docstring)."""
+    hp = str(Path(sys.executable).parent / "hp-data")
+    size = corpus.stat().st_size
+    with tempfile.TemporaryDirectory() as out:
+        base = [hp, "preprocess", str(corpus), "--tokenizer", str(tokenizer), "--append-eod"]
+        base += ["--workers", str(workers), "--quiet"]
+        one = min(_timed([*base, "--out", f"{out}/one"]) for _ in range(2))  # warm, then again
+        expected = Path(f"{out}/one.bin").read_bytes(), Path(f"{out}/one.idx").read_bytes()
+        startup = min(_timed([hp, "--version"]) for _ in range(3))
+        print(
+            f"corpus: {size / 1e6:.1f} MB; {workers} worker(s) per process; "
+            f"hp-data start-up {startup:.2f} s"
+        )
+        print(f"one process                          {one:7.2f} s  {size / one / 1e6:6.2f} MB/s")
+        for count in counts:
+            prefix = f"{out}/n{count}"
+            shards = [
+                _timed(
+                    [*base, "--out", prefix, "--num-shards", str(count), "--shard-index", str(i)]
+                )
+                for i in range(count)
+            ]
+            merge = _timed([hp, "merge", prefix, "--shards", "--quiet"])
+            merged = Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+            output = sum(len(part) for part in merged)
+            on_machines = max(shards) + merge
+            print(
+                f"{count} shard(s): each {min(shards):.2f}-{max(shards):.2f} s "
+                f"({size / count / max(shards) / 1e6:.2f} MB/s per shard); merge {merge:.2f} s "
+                f"of {output / 1e6:.0f} MB ({merge / on_machines:.1%} of a run "
+                f"on {count} machine(s): {on_machines:.2f} s, {one / on_machines:.2f}x one); "
+                f"overhead {(sum(shards) + merge) / one - 1:+.1%}; "
+                f"identical: {merged == expected}"
+            )
+        merge_rate(hp, Path(out))
+
+
+def merge_rate(hp: str, out: Path, shards: int = 4, megabytes: int = 256) -> None:
+    """`hp-data merge` of large datasets against the floor, `cat` of their .bin files and an
+    fsync: the bytes must be copied once either way."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages/hp-data/src"))
+    from hp_data import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(shards):
+        names.append(str(out / f"big{i}"))
+        with IndexedDatasetBuilder(names[-1], np.uint16) as builder:
+            lengths = rng.integers(100, 4000, megabytes * 1_000_000 // 4100)
+            tokens = rng.integers(0, 60000, int(lengths.sum()), dtype=np.uint16)
+            builder.add_documents(tokens, lengths)
+    size = sum(Path(f"{name}.bin").stat().st_size for name in names)
+    merge = _timed([hp, "merge", str(out / "merged"), *names, "--quiet"])
+    script = f"cat {' '.join(n + '.bin' for n in names)} > {out}/cat.bin && sync {out}/cat.bin"
+    cat = _timed(["bash", "-c", script])
+    print(
+        f"merge of {shards} datasets, {size / 1e9:.2f} GB: hp-data merge {merge:.2f} s "
+        f"({size / merge / 1e9:.2f} GB/s), cat + sync {cat:.2f} s ({size / cat / 1e9:.2f} GB/s); "
+        f"hp / cat: {cat / merge:.0%} of cat's speed"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--mb", type=float, default=50.0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hp-bench")
+    parser.add_argument("--shards", default=None, help="e.g. 1,2,4: the sharded path instead")
     args = parser.parse_args()
 
     corpus, tokenizer = prepare(args.cache, args.mb)
+    if args.shards:
+        sharded(corpus, tokenizer, args.workers, [int(n) for n in args.shards.split(",")])
+        return
     size = corpus.stat().st_size
     env = {**os.environ, "RAYON_NUM_THREADS": str(args.workers)}
     with tempfile.TemporaryDirectory() as out:

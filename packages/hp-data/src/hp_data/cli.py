@@ -10,17 +10,18 @@ from typing import Any
 
 import click
 
-from hp_data.blend import build_datasets, build_report
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups, unit_bytes_for
-from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
 from hp_data.readers import FORMATS, discover
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, summarize
-from hp_data.tokenize import decode_ids, load_tokenizer
+
+# preprocess (tokenizers, multiprocessing), blend and tokenize are imported by the commands
+# that use them: every command pays the start-up of what it imports (merge --shards on N
+# machines' output is the one that waits for it).
 
 
 class _Group(click.Group):
@@ -99,6 +100,8 @@ def inspect(
         if check:
             report["ok"] = True
         if show:
+            from hp_data.tokenize import decode_ids, load_tokenizer
+
             decoder = load_tokenizer(tokenizer)  # type: ignore[arg-type]
             report["shown"] = [
                 {"document": d, "text": decode_ids(decoder, dataset.get_document(d))}
@@ -252,7 +255,7 @@ def plan_command(
     "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help=f"Worker processes [default: all cores, here {default_workers()}].",
+    help="Worker processes [default: all cores].",
 )
 @click.option(
     "--skip-invalid",
@@ -343,6 +346,8 @@ def preprocess_command(
 ) -> None:
     """Tokenize CORPUS (JSONL, .jsonl.gz, .jsonl.zst, Parquet, HF datasets; files, globs or
     directories) into Megatron .bin/.idx datasets, in parallel and resumably."""
+    from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
+
     options = PreprocessOptions(
         json_keys=tuple(key for value in json_keys for key in value.replace(",", " ").split()),
         append_eod=append_eod,
@@ -444,6 +449,8 @@ def build_index(
         drop_last_partial_validation_sequence=not keep_last_partial_validation,
         cache_dir=cache_dir,
     )
+    from hp_data.blend import build_datasets, build_report
+
     report = build_report(build_datasets(" ".join(data_path), config, counts))
     if as_json:
         click.echo(json.dumps(report))
