@@ -181,7 +181,7 @@ def test_every_command_exits_with_one_line_and_leaves_nothing_after_a_failure(pa
     protected = {p: Path(p).read_bytes() for p in (paths.dataset + ".bin", paths.dataset + ".idx")}
 
     @settings(
-        max_examples=300,
+        max_examples=200,
         deadline=None,
         derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

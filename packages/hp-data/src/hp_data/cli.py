@@ -318,6 +318,15 @@ def plan_command(
     default=None,
     help="Work-unit size in MB [default: 256, or a quarter of a shard].",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    help="Run the shards as tasks on a Ray cluster and merge them: --ray=auto (this machine's "
+    "cluster), --ray=ADDRESS, or --ray alone for a local one (needs hp-data[ray]).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def preprocess_command(
@@ -341,6 +350,7 @@ def preprocess_command(
     shard_index: int | None,
     units: int | None,
     unit_mb: float | None,
+    ray_address: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -355,7 +365,7 @@ def preprocess_command(
         add_bos=add_bos,
         bos_token=bos_token,
         dtype=dtype,
-        workers=workers or default_workers(),
+        workers=workers or (1 if ray_address else default_workers()),  # Ray: a task per CPU
         skip_invalid=skip_invalid,
         keep_empty=keep_empty,
         dedup=dedup,
@@ -368,6 +378,22 @@ def preprocess_command(
         num_shards=num_shards,
         shard_index=shard_index,
     )
+    if ray_address is not None:
+        if shard_index is not None:
+            raise click.UsageError("--ray runs every shard; leave out --shard-index")
+        from hp_data.on_ray import preprocess_on_ray
+
+        address = None if ray_address == "local" else ray_address
+        report = preprocess_on_ray(list(corpus), out_prefix, tokenizer, options, address)
+        if as_json:
+            click.echo(json.dumps(report))
+        else:
+            click.echo(
+                f"wrote {', '.join(f'{p}.bin/.idx' for p in report['outputs'].values())} from "
+                f"{report['tasks']} Ray task(s): {report['documents']:,} documents "
+                f"({report['documents_in']:,} in); {report['seconds']:.1f} s"
+            )
+        return
     if num_shards > 1 and shard_index is None:
         raise click.UsageError("--num-shards needs --shard-index (which shard this run is)")
     summary = preprocess(list(corpus), out_prefix, tokenizer, options)
