@@ -58,13 +58,16 @@ class ShardTask:
     total_units: int
     plan: str  # the plan's fingerprint
     config: str  # the run's configuration fingerprint
+    inputs: tuple[tuple[object, ...], ...] = ()  # its units' identities, for people to read
 
     @classmethod
     def of(
         cls, base: str, index: int, count: int, units: Sequence[Shard], config: str
     ) -> ShardTask:
         group = shard_groups(units, count)[index]
-        return cls(prefix_of(base), index, count, group, len(units), fingerprint(units), config)
+        mine = tuple(tuple(units[u].identity) for u in group)
+        plan = fingerprint(units)
+        return cls(prefix_of(base), index, count, group, len(units), plan, config, mine)
 
     @property
     def prefix(self) -> str:
@@ -119,6 +122,8 @@ class ShardTask:
             "count": self.count,
             "units": [self.units.start, self.units.stop],
             "total_units": self.total_units,
+            # Path, format, size, mtime, and a part's byte or row-group range, of each unit.
+            "inputs": [list(identity) for identity in self.inputs],
             "outputs": {key: os.path.basename(p) for key, p in outputs.items()},
             "hashes": os.path.basename(hashes) if hashes else None,
             "summary": summary,
