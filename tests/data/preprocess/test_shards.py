@@ -94,6 +94,9 @@ def test_a_finished_shard_is_not_redone_and_merge_checks_every_shard(
     run_preprocess(inputs[:2], out, example_tokenizer, shard_index=2, **options)
     with pytest.raises(PreprocessError, match=r"x.shard-00002-of-00003.json: made with other in"):
         merge_shards(str(out))
+    Path(f"{out}.shard-00002-of-00003.json").write_text('{"version": 1}')
+    with pytest.raises(PreprocessError, match=r"x.shard-00002-of-00003.json: not a shard manif"):
+        merge_shards(str(out))
     run_preprocess(inputs, out, example_tokenizer, shard_index=2, **options)
     merge_shards(str(out))
     run_preprocess(inputs, tmp_path / "one", example_tokenizer, append_eod=True)

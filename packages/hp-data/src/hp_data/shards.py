@@ -30,12 +30,14 @@ from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.format.reader import IndexedDataset
 from hp_data.plan import fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
 from hp_data.readers import Shard
 
 MANIFEST_VERSION = 1
 _NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
+_FIELDS = {"version", "config", "plan", "units", "total_units", "outputs", "hashes", "summary"}
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -156,6 +158,11 @@ def _manifests(base: str) -> list[dict[str, Any]]:
             ) from None
         except ValueError as exc:
             raise PreprocessError(f"{path}: unreadable shard manifest: {exc}") from None
+        if not isinstance(manifest, dict) or not manifest.keys() >= _FIELDS:
+            raise PreprocessError(
+                f"{path}: not a shard manifest of hp-data (needs {', '.join(sorted(_FIELDS))}); "
+                f"rerun shard {index}"
+            )
         manifest["path"] = path
         manifests.append(manifest)
     first = manifests[0]
@@ -197,8 +204,6 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
             recover(prefix)
             if not os.path.exists(bin_path(prefix)) or not os.path.exists(idx_path(prefix)):
                 raise PreprocessError(f"{prefix}: a finished shard's dataset is missing")
-    from hp_data.format.reader import IndexedDataset
-
     with IndexedDataset(sources[0][keys[0]], validate=False) as first:
         dtype = first.dtype
     # A shard's output is its one-machine counterpart's name plus `.shard-I-of-N`.
