@@ -14,7 +14,7 @@ from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
-from hp_data.plan import describe, plan_units, shard_groups, unit_bytes_for
+from hp_data.plan import describe, plan_units, shard_groups
 from hp_data.readers import FORMATS, discover
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, summarize
@@ -157,23 +157,37 @@ def merge(out_prefix: str, inputs: tuple[str, ...], shards: bool, quiet: bool) -
         )
 
 
-@main.command(name="plan")
-@click.argument("corpus", nargs=-1, required=True)
-@click.option("--units", type=click.IntRange(min=1), default=None, help="About this many units.")
-@click.option(
+# The work-unit options, the same for plan and preprocess (which must agree on the plan).
+_units_option = click.option(
+    "--units",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cut the inputs into about this many work units (see hp-data plan).",
+)
+_unit_mb_option = click.option(
     "--unit-mb",
     type=click.FloatRange(min=0.001, max=1 << 30),
     callback=lambda ctx, param, value: None if value is None else _finite(param, value),
     default=None,
     help="Work-unit size in MB [default: 256, or a quarter of a shard].",
 )
-@click.option(
-    "--num-shards",
-    type=click.IntRange(min=1, max=99_999),
-    default=1,
-    show_default=True,
-    help="Also show which shard of this many takes each unit.",
-)
+
+
+def _num_shards_option(text: str) -> Any:
+    return click.option(
+        "--num-shards",
+        type=click.IntRange(min=1, max=99_999),
+        default=1,
+        show_default=True,
+        help=text,
+    )
+
+
+@main.command(name="plan")
+@click.argument("corpus", nargs=-1, required=True)
+@_units_option
+@_unit_mb_option
+@_num_shards_option("Also show which shard of this many takes each unit.")
 @click.option("--input-format", type=click.Choice(FORMATS), default=None, help="As for preprocess.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan_command(
@@ -187,9 +201,7 @@ def plan_command(
     """Show how CORPUS is cut into work units (files, line-aligned byte ranges of JSONL,
     Parquet row groups) and which shard of --num-shards processes each, as preprocess will."""
     found = discover(list(corpus), input_format)
-    total = sum(shard.size for shard in found)
-    size = _unit_bytes(units, unit_mb) or unit_bytes_for(total, units, num_shards)
-    planned = plan_units(found, size)
+    planned = plan_units(found, _unit_bytes(units, unit_mb), units, num_shards)
     described = describe(planned, shard_groups(planned, num_shards))
     if as_json:
         click.echo(json.dumps(described))
@@ -292,12 +304,8 @@ def plan_command(
     show_default=True,
     help="Input per work unit, in MB.",
 )
-@click.option(
-    "--num-shards",
-    type=click.IntRange(min=1, max=99_999),
-    default=1,
-    show_default=True,
-    help="Split the run into this many shards (one per machine: a Slurm array, Ray tasks).",
+@_num_shards_option(
+    "Split the run into this many shards (one per machine: a Slurm array, Ray tasks)."
 )
 @click.option(
     "--shard-index",
@@ -305,19 +313,8 @@ def plan_command(
     default=None,
     help="Process only this shard, into OUT.shard-0000I-of-0000N; then merge OUT --shards.",
 )
-@click.option(
-    "--units",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Cut the inputs into about this many work units (see hp-data plan).",
-)
-@click.option(
-    "--unit-mb",
-    type=click.FloatRange(min=0.001, max=1 << 30),
-    callback=lambda ctx, param, value: None if value is None else _finite(param, value),
-    default=None,
-    help="Work-unit size in MB [default: 256, or a quarter of a shard].",
-)
+@_units_option
+@_unit_mb_option
 @click.option(
     "--ray",
     "ray_address",

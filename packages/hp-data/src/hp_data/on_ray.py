@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from hp_data.errors import PreprocessError
-from hp_data.plan import plan_units, shard_groups, unit_bytes_for
+from hp_data.plan import plan_units, shard_groups
 from hp_data.preprocess import PreprocessOptions, preprocess
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
@@ -74,10 +74,7 @@ def _run(
     count = options.num_shards
     if count <= 1:
         count = max(int(ray.cluster_resources().get("CPU", 1)) // options.workers, 1)
-    units = plan_units(
-        found,
-        options.unit_bytes or unit_bytes_for(sum(s.size for s in found), options.units, count),
-    )
+    units = plan_units(found, options.unit_bytes, options.units, count)
     groups = shard_groups(units, count)
     task = ray.remote(num_cpus=options.workers, max_retries=3)(_shard)
     pending = {

@@ -30,7 +30,7 @@ DEFAULT_UNIT_BYTES = 256 << 20
 MIN_UNIT_BYTES = 1 << 20
 
 
-def unit_bytes_for(total: int, units: int | None, shards: int) -> int:
+def _unit_bytes_for(total: int, units: int | None, shards: int) -> int:
     """The unit size for about `units` units, or by default 256 MiB but small enough for four
     units a shard when a run is split in `shards` (never under 1 MiB)."""
     if units is not None:
@@ -40,8 +40,17 @@ def unit_bytes_for(total: int, units: int | None, shards: int) -> int:
     return DEFAULT_UNIT_BYTES
 
 
-def plan_units(shards: Sequence[Shard], unit_bytes: int) -> list[Shard]:
-    """The work units of `shards` (inputs from `readers.discover`), in input order."""
+def plan_units(
+    shards: Sequence[Shard],
+    unit_bytes: int | None = None,
+    units_wanted: int | None = None,
+    shard_count: int = 1,
+) -> list[Shard]:
+    """The work units of `shards` (inputs from `readers.discover`), in input order: of
+    `unit_bytes` each, else about `units_wanted` of them, else the default for a run split
+    in `shard_count` shards."""
+    if unit_bytes is None:
+        unit_bytes = _unit_bytes_for(sum(s.size for s in shards), units_wanted, shard_count)
     units: list[Shard] = []
     for shard in shards:
         if shard.format == "jsonl" and shard.path != STDIN and shard.size > unit_bytes:

@@ -36,7 +36,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
-from hp_data.plan import plan_units, unit_bytes_for
+from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
 from hp_data.readers import (
     STDIN,
@@ -77,7 +77,7 @@ class PreprocessOptions:
     split: str = "train"
     chunk_bytes: int = 1 << 20
     show_progress: bool = True
-    unit_bytes: int | None = None  # work-unit size (plan.py); None: plan.unit_bytes_for
+    unit_bytes: int | None = None  # work-unit size (plan.py); None: its default
     units: int | None = None  # or about this many work units
     num_shards: int = 1  # with shard_index: process one of num_shards groups of units
     shard_index: int | None = None
@@ -381,10 +381,7 @@ def preprocess(
         raise PreprocessError("--units and --unit-mb must be positive")
     if sharded and any(s.path == STDIN for s in found):
         raise PreprocessError("standard input (-) cannot be split over shards; give files")
-    total = sum(s.size for s in found)
-    units = plan_units(
-        found, options.unit_bytes or unit_bytes_for(total, options.units, options.num_shards)
-    )
+    units = plan_units(found, options.unit_bytes, options.units, options.num_shards)
     files = TokenizerFiles.locate(tokenizer_path)
     tokenizer = files.load()
     vocabulary = vocab_size(tokenizer)

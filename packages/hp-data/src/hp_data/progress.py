@@ -61,6 +61,10 @@ class Progress:
             self._last = now
             self._draw(now)
 
+    def add_bytes(self, count: int) -> None:
+        """Count `count` more units done, shown as a bytes/s rate: a copy's progress."""
+        self.update(self.done + count, bytes=self.done + count)
+
     def _draw(self, now: float, final: bool = False) -> None:
         elapsed = max(now - self.start, 1e-9)
         fraction = min(self.done / self.total, 1.0)

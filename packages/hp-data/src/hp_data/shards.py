@@ -210,13 +210,6 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
     finals = {key: sources[0][key][: -len(".shard-00000-of-00000")] for key in keys}
     total = sum(os.path.getsize(bin_path(p)) for shard in sources for p in shard.values())
     progress = Progress(total, "merge", enabled=show_progress)
-    copied = 0
-
-    def advance(count: int) -> None:
-        nonlocal copied
-        copied += count
-        progress.update(copied, bytes=copied)
-
     seen = HashSet() if dedup else None
     builders = [IndexedDatasetBuilder(finals[key], dtype) for key in keys]
     documents = duplicates = 0
@@ -228,7 +221,7 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
                 keep = seen.add_new(hashes.reshape(-1, 2))
                 duplicates += int((~keep).sum())
             for key, builder in zip(keys, builders, strict=True):
-                builder.add_index(shard[key], on_bytes=advance, keep=keep)
+                builder.add_index(shard[key], on_bytes=progress.add_bytes, keep=keep)
         documents = builders[0].document_count
     except BaseException:
         for builder in builders:

@@ -69,15 +69,8 @@ def merge_datasets(
         )
     total = sum(os.path.getsize(bin_path(prefix)) for prefix in in_prefixes)
     progress = Progress(total, "merge", enabled=show_progress)
-    copied = 0
-
-    def advance(count: int) -> None:
-        nonlocal copied
-        copied += count
-        progress.update(copied, bytes=copied)
-
     with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal=multimodal) as builder:
         for prefix in in_prefixes:
-            builder.add_index(prefix, on_bytes=advance)
+            builder.add_index(prefix, on_bytes=progress.add_bytes)
     progress.close()
     return out_prefix
