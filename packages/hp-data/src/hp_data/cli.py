@@ -232,6 +232,19 @@ def plan_command(
     help="tokenizer.json, or a HF tokenizer directory (tokenizer.json and tokenizer_config.json).",
 )
 @click.option(
+    "--tokenizer-engine",
+    type=click.Choice(["auto", "hf", "tiktoken"]),
+    default="auto",
+    show_default=True,
+    help="auto: tiktoken where it reproduces tokenizers' ids exactly (byte-level BPE, checked "
+    "on probe texts and sampled documents), else tokenizers (hf). tiktoken: insist on it.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Check the tiktoken engine's ids against tokenizers on every document, not 1 in 1,000.",
+)
+@click.option(
     "--json-keys",
     multiple=True,
     default=("text",),
@@ -330,6 +343,8 @@ def preprocess_command(
     corpus: tuple[str, ...],
     out_prefix: str,
     tokenizer: str,
+    tokenizer_engine: str,
+    verify: bool,
     json_keys: tuple[str, ...],
     append_eod: bool,
     eod_token: str | None,
@@ -374,6 +389,8 @@ def preprocess_command(
         units=units,
         num_shards=num_shards,
         shard_index=shard_index,
+        tokenizer_engine=tokenizer_engine,
+        verify=verify,
     )
     if ray_address is not None:
         if shard_index is not None:

@@ -21,11 +21,12 @@ import multiprocessing
 import os
 import shutil
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -33,6 +34,7 @@ import xxhash
 
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
+from hp_data.fast_bpe import FastBPE, compare, pick
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
@@ -49,10 +51,18 @@ from hp_data.readers import (
     read_chunk,
 )
 from hp_data.shards import ShardTask
-from hp_data.tokenize import TokenizerFiles, encode_documents, vocab_size
+from hp_data.tokenize import (
+    HFEngine,
+    TokenizerFiles,
+    choose_engine,
+    frame_documents,
+    vocab_size,
+)
 
 MANIFEST_VERSION = 1
 INVALID_EXAMPLES = 5
+VERIFY_EVERY = 1000  # the fast engine's ids are checked on one document in this many
+VERIFY_FIRST = 200  # and on each of the run's first documents
 
 
 def default_workers() -> int:
@@ -81,6 +91,8 @@ class PreprocessOptions:
     units: int | None = None  # or about this many work units
     num_shards: int = 1  # with shard_index: process one of num_shards groups of units
     shard_index: int | None = None
+    tokenizer_engine: str = "auto"  # auto, hf or tiktoken (tokenize.ENGINES)
+    verify: bool = False  # check the fast engine on every document, not one in VERIFY_EVERY
 
 
 def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
@@ -109,6 +121,12 @@ class _WorkerSpec:
     keep_empty: bool
     dedup: bool
     stop_at_invalid: bool
+    fast: FastBPE | None = None  # the tiktoken engine's recipe; None: tokenizers
+    verify_every: int = VERIFY_EVERY
+
+
+class EngineMismatch(PreprocessError):
+    """The fast engine gave other ids than tokenizers on a document of the run."""
 
 
 @dataclass
@@ -123,6 +141,8 @@ class _Result:
     tokens: list[np.ndarray] = field(default_factory=list)  # per key
     lengths: list[np.ndarray] = field(default_factory=list)  # per key, per kept record
     hashes: np.ndarray | None = None  # (kept records, 2) uint64
+    verified: int = 0  # documents whose fast-engine ids were checked against tokenizers
+    mismatch: tuple[int, str] | None = None  # (line offset, what differs), when one did not
 
 
 _worker: dict[str, Any] = {}
@@ -134,17 +154,45 @@ def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
     from tokenizers import Tokenizer
 
     _worker["spec"] = spec
-    _worker["tokenizer"] = tokenizer or Tokenizer.from_file(spec.tokenizer_json)
+    reference = HFEngine(tokenizer or Tokenizer.from_file(spec.tokenizer_json))
+    _worker["reference"] = reference
+    _worker["engine"] = spec.fast.engine() if spec.fast is not None else reference
 
 
 def _encode(
-    parsed: Parsed, spec: _WorkerSpec, dtype: np.dtype
+    parsed: Parsed, spec: _WorkerSpec, dtype: np.dtype, chosen: np.ndarray | None
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[int, str] | None]:
+    """Each key's (tokens, lengths), and where the fast engine's ids part from tokenizers' on
+    the `chosen` texts (text index, what differs), if they do; then the chunk is encoded
+    again with tokenizers, so that what is returned is always tokenizers' ids."""
+    engine, reference = _worker["engine"], _worker["reference"]
+    raw = [engine.encode(texts) for texts in parsed.texts]
+    if chosen is not None and engine is not reference:
+        for texts, (ids, lengths) in zip(parsed.texts, raw, strict=True):
+            sample = [texts[i] for i in chosen]
+            found = compare(sample, reference.encode(sample), pick(ids, lengths, chosen))
+            if found is not None:
+                raw = [reference.encode(texts) for texts in parsed.texts]
+                return _frame(raw, spec, dtype), (int(chosen[found.index]), found.describe())
+    return _frame(raw, spec, dtype), None
+
+
+def _frame(
+    raw: list[tuple[np.ndarray, np.ndarray]], spec: _WorkerSpec, dtype: np.dtype
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    tokenizer = _worker["tokenizer"]
-    return [encode_documents(tokenizer, t, dtype, spec.bos, spec.eod) for t in parsed.texts]
+    return [frame_documents(ids, lengths, dtype, spec.bos, spec.eod) for ids, lengths in raw]
 
 
-def _work(chunk: Chunk) -> _Result:
+def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
+    """Which of a chunk's `count` texts to check: one in `every`, from a position drawn
+    for this chunk, so that over a run every position in a chunk is checked."""
+    if every == 1:
+        return np.arange(count)
+    first = np.random.default_rng([chunk.shard, chunk.start, count]).integers(every)
+    return np.arange(first, count, every)
+
+
+def _work(chunk: Chunk, first: bool = False) -> _Result:
     spec: _WorkerSpec = _worker["spec"]
     parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid)
     result = _Result(
@@ -155,14 +203,26 @@ def _work(chunk: Chunk) -> _Result:
         result.invalid = read_chunk(chunk, spec.keys, True, check_unicode=True).invalid
         return result
     dtype = np.dtype(spec.dtype)
+    count = len(parsed.texts[0]) if parsed.texts else 0
+    chosen = _sample(chunk, count, spec.verify_every)
+    if first:
+        chosen = np.union1d(np.arange(min(count, VERIFY_FIRST)), chosen)
+    checked = False
     try:
-        encoded = _encode(parsed, spec, dtype)
-    except TypeError:  # the tokenizer refuses a text that is not valid Unicode
+        encoded, mismatch = _encode(parsed, spec, dtype, chosen)
+    except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
+        checked = True
         parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid, check_unicode=True)
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
             return result
-        encoded = _encode(parsed, spec, dtype)
+        chosen = chosen[chosen < len(parsed.texts[0])]
+        encoded, mismatch = _encode(parsed, spec, dtype, chosen)
+    if _worker["engine"] is not _worker["reference"]:
+        result.verified = len(chosen)
+    if mismatch is not None:
+        again = read_chunk(chunk, spec.keys, spec.stop_at_invalid, checked, with_offsets=True)
+        result.mismatch = (again.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
         keep = np.logical_or.reduce([lengths > 0 for _, lengths in encoded]) if encoded else keep
@@ -190,6 +250,7 @@ class _ShardStats:
     invalid_examples: list[str] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=dict)
     lines: int = 0
+    verified: int = 0  # documents whose fast-engine ids were checked against tokenizers
 
 
 class _WorkDir:
@@ -283,11 +344,12 @@ def _results(
     work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
 ) -> Iterator[_Result]:
     """Results of every chunk, in order; at most a few chunks in flight per worker. One
-    worker runs here, with the main process's `tokenizer`."""
+    worker runs here, with the main process's `tokenizer`. The fast engine is checked on
+    the first documents of the first chunk, and on a sample of every chunk."""
     if workers <= 1:
         _init_worker(spec, tokenizer)
-        for chunk in work:
-            yield _work(chunk)
+        for number, chunk in enumerate(work):
+            yield _work(chunk, number == 0)
         return
     # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or
     # failing to start) breaks it, where a Pool would wait for its result forever.
@@ -295,8 +357,8 @@ def _results(
     pool = ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(spec,))
     try:
         pending: deque[Future[_Result]] = deque()
-        for chunk in work:
-            pending.append(pool.submit(_work, chunk))
+        for number, chunk in enumerate(work):
+            pending.append(pool.submit(_work, chunk, number == 0))
             if len(pending) >= 2 * workers + 1:
                 yield pending.popleft().result()
         while pending:
@@ -340,6 +402,9 @@ class PreprocessSummary:
     input_bytes: int
     seconds: float
     dedup_hash_set_bytes: int | None = None
+    engine: str = "hf"  # the tokenizer engine that ran: hf (tokenizers) or tiktoken
+    probe_texts: int = 0  # texts the fast engine was checked on before the run
+    verified_documents: int = 0  # and documents during it
 
     def as_dict(self) -> dict[str, Any]:
         seconds = max(self.seconds, 1e-9)
@@ -391,6 +456,7 @@ def preprocess(
             f"--dtype {dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
             f"use {optimal_dtype(vocabulary)} or wider"
         )
+    fast, probes = choose_engine(files, tokenizer, options.tokenizer_engine)
     spec = _WorkerSpec(
         tokenizer_json=files.tokenizer_json,
         keys=keys,
@@ -400,6 +466,8 @@ def preprocess(
         keep_empty=options.keep_empty,
         dedup=options.dedup == "exact",
         stop_at_invalid=not options.skip_invalid,
+        fast=fast,
+        verify_every=1 if options.verify else VERIFY_EVERY,
     )
     outputs = output_prefixes(out_prefix, keys)
     config = _config_hash(files, spec, options)
@@ -428,6 +496,7 @@ def preprocess(
         already=sum(s.nbytes for s in shards[:resumed]),
     )
     run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
+    run.probes = probes if fast is not None else None
     try:
         cache = os.path.join(workdir.path, "hf-cache")
         quiet = not options.show_progress
@@ -441,6 +510,15 @@ def preprocess(
         with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
             for result in results:
                 run.take(result)
+    except EngineMismatch as exc:
+        run.abort()
+        workdir.remove()  # shards the fast engine wrote are suspect: none is reused
+        progress.close()
+        if options.tokenizer_engine == "tiktoken" or any(s.path == STDIN for s in shards):
+            raise PreprocessError(f"{exc}; run again with --tokenizer-engine hf") from None
+        warnings.warn(f"{exc}; tokenizing everything again with tokenizers", stacklevel=2)
+        options = replace(options, tokenizer_engine="hf")
+        return preprocess(inputs, out_prefix, tokenizer_path, options)
     except BaseException:
         run.abort()
         if not workdir.manifest["shards"]:
@@ -493,6 +571,7 @@ class _Run:
         self.input_bytes = 0
         self.documents = 0
         self.tokens = 0
+        self.probes: int | None = None  # probe texts the fast engine passed; None: not used
 
     def _open(self, index: int) -> None:
         self.current = index
@@ -508,6 +587,13 @@ class _Run:
         if self.current != result.shard:
             self._open(result.shard)
         shard, stats = self.shards[result.shard], self.stats
+        if result.mismatch is not None:
+            offset, what = result.mismatch
+            raise EngineMismatch(
+                f"{location(shard, stats.lines + offset + 1)}: the tiktoken engine gave other "
+                f"ids than tokenizers ({what})"
+            )
+        stats.verified += result.verified
         for offset, kind, why in result.invalid:
             where = location(shard, stats.lines + offset + 1)
             if not self.skip_invalid:
@@ -600,6 +686,9 @@ def _summarize(
         input_bytes=run.input_bytes,
         seconds=round(time.perf_counter() - started, 3),
         dedup_hash_set_bytes=seen.nbytes if seen is not None else None,
+        engine="hf" if run.probes is None else "tiktoken",
+        probe_texts=run.probes or 0,
+        verified_documents=sum(s.verified for s in stats),
     )
 
 
@@ -627,6 +716,11 @@ def format_summary(summary: PreprocessSummary) -> str:
     )
     if summary.dedup_hash_set_bytes is not None:
         lines.append(f"dedup hash set: {human(summary.dedup_hash_set_bytes, 'B')}")
+    if summary.engine == "tiktoken":
+        lines.append(
+            f"engine: tiktoken, ids checked against tokenizers on {summary.probe_texts:,} "
+            f"probe texts and {summary.verified_documents:,} documents"
+        )
     if summary.resumed_shards:
         lines.append(f"resumed: {summary.resumed_shards} of {summary.shards} shards were done")
     lines.append(

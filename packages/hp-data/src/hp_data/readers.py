@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from stat import S_ISREG
 from typing import Any, BinaryIO
 
+import orjson
+
 from hp_data.errors import PreprocessError, open_input
 
 SUFFIXES = {
@@ -90,6 +92,7 @@ class Parsed:
     records: int = 0  # non-blank lines or rows
     lines: int = 0  # all lines (rows) of the chunk, to number the next chunk's lines
     invalid: list[tuple[int, str, str]] = field(default_factory=list)  # (offset, kind, why)
+    offsets: list[int] | None = None  # each text's line (row) in the chunk, when asked for
 
 
 def _files_in(directory: str) -> list[str]:
@@ -464,7 +467,11 @@ def _hf_rows(
 
 
 def read_chunk(
-    chunk: Chunk, keys: Sequence[str], stop_at_invalid: bool, check_unicode: bool = False
+    chunk: Chunk,
+    keys: Sequence[str],
+    stop_at_invalid: bool,
+    check_unicode: bool = False,
+    with_offsets: bool = False,
 ) -> Parsed:
     """The valid texts of `chunk`; invalid records are listed (and end the chunk when
     `stop_at_invalid`).
@@ -473,14 +480,14 @@ def read_chunk(
     every text costs time on every chunk, so the worker asks for `check_unicode` only when the
     tokenizer refused one, and reads the chunk again."""
     if chunk.rows is not None:
-        return _parse_rows(chunk.rows, keys, stop_at_invalid, check_unicode)
+        return _parse_rows(chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets)
     if chunk.blob is not None:
         data = chunk.blob
     else:
         with open_input(chunk.path, PreprocessError, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
-    return _parse_lines(data, keys, stop_at_invalid, check_unicode)
+    return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets)
 
 
 def _json_problem(exc: Exception) -> tuple[str, str]:
@@ -504,20 +511,35 @@ def _surrogate_at(text: str) -> int | None:
     return None
 
 
+def _load(raw: bytes) -> Any:
+    """`json.loads(raw)`, about 3x faster: orjson reads what it can, and what it refuses
+    (NaN, escaped lone surrogates, a BOM, numbers past a double, and every error) the
+    standard library decides; so what is accepted, each text and each message stay json's."""
+    try:
+        return orjson.loads(raw)
+    except (orjson.JSONDecodeError, RecursionError):
+        return json.loads(raw)  # json.loads accepts UTF-8 bytes and strict checks it
+
+
 def _parse_lines(
-    data: bytes, keys: Sequence[str], stop_at_invalid: bool, check_unicode: bool = False
+    data: bytes,
+    keys: Sequence[str],
+    stop_at_invalid: bool,
+    check_unicode: bool = False,
+    with_offsets: bool = False,
 ) -> Parsed:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     parsed = Parsed([[] for _ in keys], lines=len(lines))
+    offsets = parsed.offsets = [] if with_offsets else None
     single = keys[0] if len(keys) == 1 else None
     for offset, raw in enumerate(lines):
         if not raw.strip():
             continue
         parsed.records += 1
         try:
-            record = json.loads(raw)  # json.loads accepts UTF-8 bytes and strict checks it
+            record = _load(raw)
         except (ValueError, RecursionError) as exc:
             problem = _json_problem(exc)
         else:
@@ -528,11 +550,15 @@ def _parse_lines(
                 and type(record.get(single)) is str
             ):
                 parsed.texts[0].append(record[single])  # the common case, checked cheaply
+                if offsets is not None:
+                    offsets.append(offset)
                 continue
             problem = _record_problem(record, keys, check_unicode)
             if problem is None:
                 for column, key in zip(parsed.texts, keys, strict=True):
                     column.append(record[key])
+                if offsets is not None:
+                    offsets.append(offset)
                 continue
         parsed.invalid.append((offset, *problem))
         if stop_at_invalid:
@@ -560,9 +586,11 @@ def _parse_rows(
     keys: Sequence[str],
     stop_at_invalid: bool,
     check_unicode: bool = False,
+    with_offsets: bool = False,
 ) -> Parsed:
     count = len(rows[keys[0]]) if keys else 0
     parsed = Parsed([[] for _ in keys], records=count, lines=count)
+    offsets = parsed.offsets = [] if with_offsets else None
     columns = [rows[key] for key in keys]
     for offset, values in enumerate(zip(*columns, strict=True)):
         problem = None
@@ -571,6 +599,8 @@ def _parse_rows(
         if problem is None:
             for column, value in zip(parsed.texts, values, strict=True):
                 column.append(value)
+            if offsets is not None:
+                offsets.append(offset)
             continue
         parsed.invalid.append((offset, *problem))
         if stop_at_invalid:

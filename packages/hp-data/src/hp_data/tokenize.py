@@ -5,18 +5,22 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
 from tokenizers import Tokenizer
 
 from hp_data.errors import PreprocessError
+from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
 
 # Tried in order when neither --eod-token nor tokenizer_config.json names the token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|bos|>")
+ENGINES = ("auto", "hf", "tiktoken")
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,68 @@ def vocab_size(tokenizer: Tokenizer) -> int:
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
+class HFEngine:
+    """`tokenizers`' own `encode_batch_fast`: the reference every other engine is held to."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of all texts back to back, each text's count), as
+        `tokenizer.encode(text, add_special_tokens=False).ids`."""
+        ids = [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        count = int(lengths.sum())
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=count), lengths
+
+
+class Engine(Protocol):
+    name: str
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def choose_engine(
+    files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
+) -> tuple[FastBPE | None, int]:
+    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts proved it.
+
+    `auto` takes `tiktoken` only for a tokenizer it converts exactly and that gives the same
+    ids on the probe set; `tiktoken` makes either failure an error; `hf` skips both."""
+    if requested not in ENGINES:
+        raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
+    if requested == "hf":
+        return None, 0
+    source = files.tokenizer_json
+    try:
+        recipe = FastBPE.from_tokenizer_json(source)
+        engine = recipe.engine()
+    except (NotConvertible, ValueError) as exc:  # ValueError: tiktoken refused the recipe
+        if requested == "tiktoken":
+            raise PreprocessError(
+                f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "
+                f"{exc}; use --tokenizer-engine auto or hf"
+            ) from None
+        return None, 0
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+    probes = probe_texts(added)
+    mismatch = compare(probes, HFEngine(tokenizer).encode(probes), engine.encode(probes))
+    if mismatch is not None:
+        message = (
+            f"{source}: the tiktoken engine differs from tokenizers on probe text "
+            f"{probes[mismatch.index]!r} ({mismatch.describe()})"
+        )
+        if requested == "tiktoken":
+            raise PreprocessError(f"{message}; use --tokenizer-engine auto or hf")
+        warnings.warn(f"{message}; using tokenizers", stacklevel=2)
+        return None, 0
+    return recipe, len(probes)
+
+
 def encode_documents(
-    tokenizer: Tokenizer,
+    engine: Engine,
     texts: Sequence[str],
     dtype: np.dtype,
     bos: int | None = None,
@@ -141,13 +205,23 @@ def encode_documents(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of every text back to back, and each text's token count.
 
-    Ids are `tokenizer.encode(text, add_special_tokens=False).ids`, with `bos` before and `eod`
-    after every text that yields any token (Megatron adds neither to an empty document).
+    Ids are `engine.encode`'s (those of `tokenizer.encode(text, add_special_tokens=False)`),
+    with `bos` before and `eod` after every text that yields any token (Megatron adds
+    neither to an empty document).
     """
-    ids = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    content = int(lengths.sum())
-    body = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=content)
+    return frame_documents(*engine.encode(texts), dtype, bos, eod)
+
+
+def frame_documents(
+    body: np.ndarray,
+    lengths: np.ndarray,
+    dtype: np.dtype,
+    bos: int | None = None,
+    eod: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_documents` of ids already encoded: `body` (all texts' ids back to back) and
+    each text's count, with `bos`/`eod` around each text that has any, as `dtype`."""
+    content = len(body)
     extra = (bos is not None) + (eod is not None)
     if extra == 0 or content == 0:
         return body.astype(dtype), lengths
@@ -156,11 +230,11 @@ def encode_documents(
     out_lengths = lengths + extra * nonempty
     ends = np.cumsum(out_lengths)
     starts = ends - out_lengths
-    tokens = np.empty(int(ends[-1]), dtype=np.int64)
+    tokens = np.empty(int(ends[-1]), dtype=dtype)
     shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
     tokens[np.arange(content) + shift + (bos is not None)] = body
     if bos is not None:
         tokens[starts[nonempty]] = bos
     if eod is not None:
         tokens[ends[nonempty] - 1] = eod
-    return tokens.astype(dtype), out_lengths
+    return tokens, out_lengths

@@ -1,0 +1,300 @@
+"""A faster exact engine for byte-level BPE: `tiktoken` built from a tokenizer.json's own
+vocabulary, merges and split pattern, and the checks that prove it gives `tokenizers`' ids.
+
+`tiktoken` and `tokenizers` run the same algorithm on byte-level BPE (split the text on added
+tokens, then with a regex, then merge each piece's bytes pair by pair, lowest rank first).
+They differ in what a rank is attached to: `tokenizers` ranks merges (pairs), `tiktoken`
+ranks the merged bytes, and `tiktoken` emits a piece that is itself a token whole (what
+`tokenizers` calls `ignore_merges`). The conversion keeps only tokenizers it can map one to
+one (each merge makes a new token from two earlier ones, no normalizer, no prefix space,
+added tokens matched literally) and says why it refuses the rest. What a static check cannot
+rule out (a regex dialect difference, a piece that merges into a token by another path) is
+caught by comparing ids: `verify` on a probe set before a run, and the pipeline on sampled
+documents during it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# The split regex of tokenizers' ByteLevel pre-tokenizer with use_regex=true (GPT-2's).
+BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+class NotConvertible(Exception):
+    """The tokenizer is not one the fast engine reproduces exactly; the message says why."""
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's byte -> printable character map that byte-level vocabularies
+    are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+@dataclass(frozen=True)
+class FastBPE:
+    """A picklable recipe for the `tiktoken` engine: built once, sent to every worker."""
+
+    pattern: str
+    ranks: dict[bytes, int]  # mergeable bytes -> rank (merge priority)
+    specials: dict[str, int]  # added token text -> rank
+    ids: np.ndarray  # rank -> the tokenizer's id
+
+    @classmethod
+    def from_tokenizer_json(cls, path: str | os.PathLike[str]) -> FastBPE:
+        with open(path, encoding="utf-8") as stream:
+            return cls.from_description(json.load(stream))
+
+    @classmethod
+    def from_description(cls, described: dict[str, Any]) -> FastBPE:
+        """Convert a parsed tokenizer.json, or raise `NotConvertible`."""
+        for option in ("truncation", "padding"):
+            if described.get(option):
+                raise NotConvertible(f"it sets {option}")
+        normalizer = described.get("normalizer")
+        if normalizer and not (
+            normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
+        ):
+            raise NotConvertible(f"its normalizer ({normalizer.get('type')}) changes the text")
+        pattern = _pattern(described.get("pre_tokenizer"))
+        model = described.get("model") or {}
+        if model.get("type") != "BPE":
+            raise NotConvertible(f"its model is {model.get('type')}, not BPE")
+        if model.get("dropout"):
+            raise NotConvertible("its BPE uses dropout")
+        if model.get("byte_fallback"):
+            raise NotConvertible("its BPE uses byte_fallback")
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            raise NotConvertible("its BPE marks subwords (prefix or suffix)")
+        vocab: dict[str, int] = model.get("vocab") or {}
+        added = described.get("added_tokens") or []
+        return cls._build(pattern, vocab, model.get("merges") or [], added, model)
+
+    @classmethod
+    def _build(
+        cls,
+        pattern: str,
+        vocab: dict[str, int],
+        merges: Sequence[Any],
+        added: Sequence[dict[str, Any]],
+        model: dict[str, Any],
+    ) -> FastBPE:
+        to_byte = _unicode_to_byte()
+
+        def as_bytes(token: str) -> bytes:
+            try:
+                return bytes(to_byte[c] for c in token)
+            except KeyError:
+                raise NotConvertible(f"its token {token!r} is not byte-level") from None
+
+        ranks: dict[bytes, int] = {}
+        ids: list[int] = []
+        for byte in range(256):
+            char = next(c for c, b in to_byte.items() if b == byte)
+            if char not in vocab:
+                raise NotConvertible(f"byte {byte} has no token")
+            ranks[bytes([byte])] = len(ids)
+            ids.append(vocab[char])
+        for number, merge in enumerate(merges):
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            made = left + right
+            if made not in vocab:
+                raise NotConvertible(f"merge {number} makes {made!r}, which is not in the vocab")
+            parts = as_bytes(left), as_bytes(right)
+            if any(part not in ranks for part in parts):
+                raise NotConvertible(f"merge {number} uses a token no earlier merge made")
+            key = parts[0] + parts[1]
+            if key in ranks:
+                raise NotConvertible(f"merge {number} makes {made!r}, which an earlier one made")
+            ranks[key] = len(ids)
+            ids.append(vocab[made])
+        added_ids = set()
+        specials: dict[str, int] = {}
+        for token in added:
+            if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+                raise NotConvertible(f"its added token {token['content']!r} strips or is single")
+            specials[token["content"]] = len(ids)
+            ids.append(token["id"])
+            added_ids.add(token["id"])
+        contents = sorted(specials)
+        for shorter, longer in itertools.pairwise(contents):
+            if longer.startswith(shorter):
+                raise NotConvertible(f"its added token {shorter!r} begins {longer!r}")
+        if model.get("ignore_merges"):
+            # tokenizers then emits any whole piece found in the vocab, as tiktoken does.
+            for token, number in vocab.items():
+                key = as_bytes(token)
+                if key not in ranks and number not in added_ids:
+                    ranks[key] = len(ids)
+                    ids.append(number)
+        return cls(pattern, ranks, specials, np.asarray(ids, dtype=np.int64))
+
+    def engine(self) -> TiktokenEngine:
+        return TiktokenEngine(self)
+
+
+def _pattern(pre_tokenizer: dict[str, Any] | None) -> str:
+    """tiktoken's split regex for a pre-tokenizer: ByteLevel with its regex, or a Split
+    (Isolated) regex followed by a ByteLevel without one (as in Llama 3)."""
+    if not pre_tokenizer:
+        raise NotConvertible("it has no pre-tokenizer")
+    steps = (
+        pre_tokenizer.get("pretokenizers") or []
+        if pre_tokenizer.get("type") == "Sequence"
+        else [pre_tokenizer]
+    )
+    kinds = [step.get("type") for step in steps]
+    if not steps or kinds[-1] != "ByteLevel" or len(steps) > 2:
+        raise NotConvertible(f"its pre-tokenizer ({' + '.join(map(str, kinds))}) is not ByteLevel")
+    byte_level = steps[-1]
+    if byte_level.get("add_prefix_space"):
+        raise NotConvertible("its ByteLevel adds a prefix space")
+    if len(steps) == 1:
+        if not byte_level.get("use_regex", True):
+            raise NotConvertible("its ByteLevel splits with no regex")
+        return BYTE_LEVEL_PATTERN
+    split = steps[0]
+    if kinds[0] != "Split" or byte_level.get("use_regex", True):
+        raise NotConvertible(f"its pre-tokenizer ({' + '.join(map(str, kinds))}) is not one regex")
+    regex = (split.get("pattern") or {}).get("Regex")
+    if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise NotConvertible("its Split is not an isolating regex")
+    return regex
+
+
+class TiktokenEngine:
+    """Token ids of texts, through `tiktoken`, in the tokenizer's own numbering."""
+
+    name = "tiktoken"
+
+    def __init__(self, recipe: FastBPE) -> None:
+        import tiktoken
+
+        self.encoding = tiktoken.Encoding(
+            "hp-fast-bpe",
+            pat_str=recipe.pattern,
+            mergeable_ranks=recipe.ranks,
+            special_tokens=recipe.specials,
+        )
+        self.allowed = frozenset(recipe.specials)
+        self.ids = recipe.ids
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of all texts back to back, each text's count). A text that is not valid
+        Unicode (a lone surrogate) raises UnicodeEncodeError, as `tokenizers` refuses it."""
+        encode = functools.partial(self.encoding.encode_to_numpy, allowed_special=self.allowed)
+        parts = [encode(text) for text in texts]
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        ranks = np.concatenate(parts) if parts else np.empty(0, np.uint32)
+        return self.ids[ranks], lengths
+
+
+# -- the probe set ----------------------------------------------------------------------------
+
+_CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'T", "'RE", "'Ll", "'D")
+_SPACES = (" ", "  ", "\t", "\n", "\r\n", "\n\n", " \n", "\u00a0", "\u3000", "\u2009", "\x0b")
+
+
+def probe_texts(added: Sequence[str] = (), seed: int = 0) -> list[str]:
+    """Texts that reach the corners where two BPE engines could part: every character below
+    U+0100 alone and in words, random Unicode (combining marks, CJK, emoji, other scripts),
+    runs of whitespace and digits, contractions, and the tokenizer's added tokens in text."""
+    rng = random.Random(seed)
+    texts = [chr(c) for c in range(256)]
+    texts += ["a" + chr(c) + "b " + chr(c) * 3 for c in range(256)]
+    blocks = [
+        (0x20, 0x7E), (0xA0, 0x24F), (0x300, 0x36F), (0x370, 0x3FF), (0x400, 0x4FF),
+        (0x590, 0x6FF), (0x900, 0x97F), (0xE00, 0xE7F), (0x1100, 0x11FF), (0x2000, 0x206F),
+        (0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0x1F300, 0x1FAFF),
+        (0x10000, 0x1007F), (0xFE00, 0xFE0F), (0x1D400, 0x1D7FF),
+    ]  # fmt: skip
+
+    def char() -> str:
+        low, high = rng.choice(blocks)
+        return chr(rng.randint(low, high))
+
+    def word() -> str:
+        kind = rng.random()
+        if kind < 0.3:
+            return "".join(rng.choice("abcdefghijklmnopqrstuvwxyzABCDEZ") for _ in range(8))[
+                : rng.randint(1, 8)
+            ]
+        if kind < 0.45:
+            return str(rng.randint(0, 10 ** rng.randint(1, 12)))
+        if kind < 0.55:
+            return rng.choice(_CONTRACTIONS)
+        if kind < 0.7:
+            return rng.choice(_SPACES) * rng.randint(1, 4)
+        return "".join(char() for _ in range(rng.randint(1, 5)))
+
+    for _ in range(1500):
+        texts.append("".join(word() + rng.choice(("", " ", " ", "\n")) for _ in range(12)))
+    for contraction in _CONTRACTIONS:
+        texts += [f"it{contraction} x", f"I{contraction}{contraction}", f" {contraction}"]
+    for space in _SPACES:
+        texts += [space * n + "x" + space * n for n in (1, 2, 5)] + [space * 7]
+    texts += ["0", "12", "123", "1234", "12345678901234567890", "3.14159", "1,000,000", "x1y22"]
+    for token in added:
+        texts += [token, f"a{token}b", f" {token} ", f"{token}{token}", f"x {token}\n{token}"]
+    return texts
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Where two engines first part on a text."""
+
+    index: int  # of the text in the batch
+    position: int  # of the first different id
+    expected: list[int]  # tokenizers' ids around there
+    got: list[int]
+
+    def describe(self) -> str:
+        return f"at token {self.position}, tokenizers gives {self.expected} and tiktoken {self.got}"
+
+
+def compare(
+    texts: Sequence[str],
+    want: tuple[np.ndarray, np.ndarray],
+    got: tuple[np.ndarray, np.ndarray],
+) -> Mismatch | None:
+    """The first of `texts` whose ids differ between `want` and `got` (each: ids back to
+    back, and each text's count), or None."""
+    (want_ids, want_lengths), (got_ids, got_lengths) = want, got
+    if np.array_equal(want_lengths, got_lengths) and np.array_equal(want_ids, got_ids):
+        return None
+    want_ends, got_ends = np.cumsum(want_lengths), np.cumsum(got_lengths)
+    for index in range(len(texts)):
+        a = want_ids[want_ends[index] - want_lengths[index] : want_ends[index]]
+        b = got_ids[got_ends[index] - got_lengths[index] : got_ends[index]]
+        if not np.array_equal(a, b):
+            common = min(len(a), len(b))
+            differs = np.flatnonzero(a[:common] != b[:common])
+            position = int(differs[0]) if len(differs) else common
+            window = slice(position, position + 3)
+            return Mismatch(index, position, a[window].tolist(), b[window].tolist())
+    raise AssertionError("the batches differ but no text does")  # pragma: no cover
+
+
+def pick(ids: np.ndarray, lengths: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ids and counts of the `chosen` texts out of a batch's (ids, lengths)."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    parts = [ids[starts[i] : ends[i]] for i in chosen]
+    return (np.concatenate(parts) if parts else ids[:0]), lengths[chosen]

@@ -1,0 +1,184 @@
+"""The tiktoken engine gives exactly `tokenizers`' ids, or is not used; proof is checked."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from hp_data import IndexedDataset, PreprocessError
+from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
+from hp_data.tokenize import TokenizerFiles, choose_engine
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from tests.helpers.bpe import corpus_texts, train_gpt2_style, train_llama3_style
+from tests.helpers.corpus_files import write_jsonl
+from tests.helpers.run import cli, read_bytes, run_preprocess
+
+
+def _reference(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """`tokenizers`' ids, one text at a time: the reference, not the code under test."""
+    ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    flat = np.array([i for one in ids for i in one], dtype=np.int64)
+    return flat, np.array([len(one) for one in ids], dtype=np.int64)
+
+
+def _assert_same_ids(tokenizer_path, texts: list[str]) -> None:
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    engine = FastBPE.from_tokenizer_json(tokenizer_path).engine()
+    added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    for batch in (probe_texts(added), texts):
+        mismatch = compare(batch, _reference(tokenizer, batch), engine.encode(batch))
+        assert mismatch is None, (batch[mismatch.index], mismatch.describe())
+
+
+@pytest.fixture(scope="module")
+def texts(example_corpus) -> list[str]:
+    return corpus_texts(example_corpus)
+
+
+def test_the_shipped_tokenizer(example_tokenizer, texts):
+    _assert_same_ids(example_tokenizer, texts)
+
+
+def test_a_gpt2_style_tokenizer(tmp_path, texts):
+    path = train_gpt2_style(texts, tmp_path / "gpt2.json")
+    assert json.loads(path.read_text())["pre_tokenizer"]["type"] == "ByteLevel"
+    _assert_same_ids(path, texts + ["<|endoftext|> inside a text<|endoftext|>"])
+
+
+@pytest.mark.slow
+def test_a_llama3_style_tokenizer(tmp_path, texts):
+    path = train_llama3_style(texts, tmp_path / "llama3.json")
+    described = json.loads(path.read_text())
+    assert len(described["model"]["vocab"]) >= 100_000
+    assert described["model"]["ignore_merges"] is True
+    assert described["pre_tokenizer"]["pretokenizers"][0]["type"] == "Split"
+    mixed = ["Ça va? 你好\uff0c世界\uff01 12345 I'LL <|end_of_text|> é\u0301 🙂\r\n\n  x" * 3]
+    _assert_same_ids(path, texts + mixed)
+
+
+def test_the_probe_set_catches_a_broken_conversion(example_tokenizer):
+    """Two merges given each other's rank: a plausible conversion bug, found by the probes."""
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    recipe = FastBPE.from_tokenizer_json(example_tokenizer)
+    ranks = dict(recipe.ranks)
+    first, late = bytes([0x20]) + b"t", b"er"  # " t" and "er" are both merges of this vocab
+    ranks[first], ranks[late] = ranks[late], ranks[first]
+    ids = recipe.ids.copy()
+    ids[[ranks[first], ranks[late]]] = ids[[ranks[late], ranks[first]]]  # the same ids out
+    broken = FastBPE(recipe.pattern, ranks, recipe.specials, ids).engine()
+    probes = probe_texts(["<|endoftext|>"])
+    assert compare(probes, _reference(tokenizer, probes), broken.encode(probes)) is not None
+
+
+def _with_a_trap(example_tokenizer, out) -> str:
+    """The shipped tokenizer plus merges X+J, Q+X, QX+J: `tokenizers` turns "QXJ" into
+    Q, XJ (no merge joins Q and XJ), tiktoken into the whole token QXJ. Letters the probe
+    set never puts together, so only a document can show the difference."""
+    described = json.loads(example_tokenizer.read_text())
+    vocab, merges = described["model"]["vocab"], described["model"]["merges"]
+    for left, right in (("X", "J"), ("Q", "X"), ("QX", "J")):
+        assert left + right not in vocab
+        vocab[left + right] = len(vocab)
+        merges.append([left, right])
+    out.write_text(json.dumps(described))
+    trap = Tokenizer.from_file(str(out))
+    assert trap.encode("QXJ").tokens == ["Q", "XJ"]
+    return str(out)
+
+
+def _corpus(tmp_path, trap_line: int, lines: int = 300):
+    records = [{"text": f"document {i} of the run, with some words."} for i in range(lines)]
+    records[trap_line - 1] = {"text": "QXJ is where the engines part"}
+    return write_jsonl(tmp_path / "c.jsonl", records)
+
+
+def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, example_tokenizer):
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=7)
+    assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
+    with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
+        summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
+    assert summary.engine == "hf"
+    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
+    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
+    assert IndexedDataset(tmp_path / "auto").get_document(6).tolist() == (
+        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
+    )
+    assert not list(tmp_path.glob(".*"))  # no work directory left behind
+
+
+def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer):
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=250)
+    result = cli(
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
+        "--tokenizer-engine", "tiktoken", "--verify", "--quiet", "--workers", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "c.jsonl:250: the tiktoken engine gave other ids than tokenizers" in result.stderr
+    assert "--tokenizer-engine hf" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_documents_are_sampled_through_the_run(tmp_path, example_tokenizer):
+    records = [{"text": f"line {i}: " + "some words " * (i % 7)} for i in range(5000)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", records)
+    summary = run_preprocess([corpus], tmp_path / "out", example_tokenizer, chunk_bytes=1 << 15)
+    assert summary.engine == "tiktoken"
+    assert summary.probe_texts > 2000
+    # The first chunk's first 200 documents, then about one in a thousand of every chunk.
+    assert 200 <= summary.verified_documents < 200 + 5000 // 1000 + 15
+    everything = run_preprocess(
+        [corpus], tmp_path / "all", example_tokenizer, chunk_bytes=1 << 15, verify=True
+    )
+    assert everything.verified_documents == 5000
+    assert read_bytes(tmp_path / "out") == read_bytes(tmp_path / "all")
+
+
+def _nfc_tokenizer(tmp_path) -> str:
+    described = json.loads(Tokenizer.from_file(str(_plain(tmp_path))).to_str())
+    tokenizer = Tokenizer.from_str(json.dumps(described))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.save(str(tmp_path / "nfc.json"))
+    return str(tmp_path / "nfc.json")
+
+
+def _plain(tmp_path):
+    tokenizer = Tokenizer(models.BPE(vocab={chr(c): c for c in range(33, 127)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "ws.json"))
+    return tmp_path / "ws.json"
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [(_plain, "Whitespace"), (_nfc_tokenizer, "normalizer")],
+)
+def test_a_tokenizer_tiktoken_cannot_reproduce(tmp_path, make, why):
+    path = str(make(tmp_path))
+    with pytest.raises(NotConvertible, match=why):
+        FastBPE.from_tokenizer_json(path)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "a b c"}, {"text": "d"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto falls back quietly
+        assert run_preprocess([corpus], tmp_path / "auto", path).engine == "hf"
+    with pytest.raises(PreprocessError, match=f"cannot reproduce this tokenizer: .*{why}"):
+        run_preprocess([corpus], tmp_path / "forced", path, tokenizer_engine="tiktoken")
+
+
+def test_refused_shapes(example_tokenizer):
+    described = json.loads(example_tokenizer.read_text())
+    FastBPE.from_description(described)  # as shipped: converts
+    for change, why in [
+        ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True}}, "prefix space"),
+        ({"truncation": {"max_length": 8}}, "truncation"),
+        ({"added_tokens": [{"id": 0, "content": "<|endoftext|>", "lstrip": True}]}, "strips"),
+        ({"model": {**described["model"], "byte_fallback": True}}, "byte_fallback"),
+        ({"model": {**described["model"], "dropout": 0.1}}, "dropout"),
+    ]:
+        with pytest.raises(NotConvertible, match=why):
+            FastBPE.from_description({**described, **change})

@@ -1,0 +1,68 @@
+"""Byte-level BPE tokenizers trained by `tokenizers` itself, shaped as GPT-2's and Llama 3's."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Llama 3's split regex, as its tokenizer.json gives it.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def corpus_texts(corpus: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
+
+
+def train_gpt2_style(texts: list[str], out: Path, vocab_size: int = 4000) -> Path:
+    """ByteLevel pre-tokenizer with its own regex, merges applied in full (ignore_merges off),
+    one added token `<|endoftext|>`: GPT-2's layout."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(out))
+    return out
+
+
+def train_llama3_style(texts: list[str], out: Path, vocab_size: int = 100_000) -> Path:
+    """Llama 3's layout: a Split with Llama 3's regex, then ByteLevel without a regex,
+    ignore_merges on, 256 added special tokens. The example corpus alone has too few words
+    for 100k merges, so made-up words (Latin syllables, CJK) are added to it."""
+    rng = random.Random(0)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"]
+    syllables += list("的一是不了人我在有他")
+    made_up = [
+        " ".join("".join(rng.choices(syllables, k=rng.randint(1, 6))) for _ in range(200))
+        for _ in range(500)
+    ]
+    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    specials += [f"<|reserved_special_token_{i}|>" for i in range(254)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts + made_up, trainer=trainer)
+    tokenizer.save(str(out))
+    return out
