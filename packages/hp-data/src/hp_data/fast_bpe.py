@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import os
 import random
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 # The split regex of tokenizers' ByteLevel pre-tokenizer with use_regex=true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -35,17 +35,32 @@ class NotConvertible(Exception):
 
 
 @functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    """The inverse of GPT-2's byte -> printable character map that byte-level vocabularies
-    are written in."""
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character map, in which byte-level vocabularies are written:
+    `_byte_chars()[b]` stands for byte b."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars = {b: b for b in printable}
-    extra = 0
     for b in range(256):
         if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
+            chars[b] = 256 + len(chars) - len(printable)
+    return [chr(chars[b]) for b in range(256)]
+
+
+def _as_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level token stands for; None if it is not one."""
+    try:
+        return token.translate(_to_latin1()).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+@functools.cache
+def _to_latin1() -> dict[int, int]:
+    # Each byte's character -> the Latin-1 character of that byte; a character below U+0100
+    # that stands for no byte -> one that Latin-1 cannot encode, so that it is refused.
+    table = {c: 0xFFFF for c in range(256)}
+    table.update({ord(char): byte for byte, char in enumerate(_byte_chars())})
+    return table
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,8 @@ class FastBPE:
 
     @classmethod
     def from_tokenizer_json(cls, path: str | os.PathLike[str]) -> FastBPE:
-        with open(path, encoding="utf-8") as stream:
-            return cls.from_description(json.load(stream))
+        with open(path, "rb") as stream:
+            return cls.from_description(orjson.loads(stream.read()))
 
     @classmethod
     def from_description(cls, described: dict[str, Any]) -> FastBPE:
@@ -96,18 +111,10 @@ class FastBPE:
         added: Sequence[dict[str, Any]],
         model: dict[str, Any],
     ) -> FastBPE:
-        to_byte = _unicode_to_byte()
-
-        def as_bytes(token: str) -> bytes:
-            try:
-                return bytes(to_byte[c] for c in token)
-            except KeyError:
-                raise NotConvertible(f"its token {token!r} is not byte-level") from None
-
+        as_bytes = {token: _as_bytes(token) for token in vocab}
         ranks: dict[bytes, int] = {}
         ids: list[int] = []
-        for byte in range(256):
-            char = next(c for c, b in to_byte.items() if b == byte)
+        for byte, char in enumerate(_byte_chars()):
             if char not in vocab:
                 raise NotConvertible(f"byte {byte} has no token")
             ranks[bytes([byte])] = len(ids)
@@ -117,10 +124,12 @@ class FastBPE:
             made = left + right
             if made not in vocab:
                 raise NotConvertible(f"merge {number} makes {made!r}, which is not in the vocab")
-            parts = as_bytes(left), as_bytes(right)
-            if any(part not in ranks for part in parts):
+            first, second = as_bytes.get(left), as_bytes.get(right)
+            if first is None or second is None:
+                raise NotConvertible(f"merge {number} joins tokens that are not byte-level")
+            if first not in ranks or second not in ranks:
                 raise NotConvertible(f"merge {number} uses a token no earlier merge made")
-            key = parts[0] + parts[1]
+            key = first + second
             if key in ranks:
                 raise NotConvertible(f"merge {number} makes {made!r}, which an earlier one made")
             ranks[key] = len(ids)
@@ -140,8 +149,12 @@ class FastBPE:
         if model.get("ignore_merges"):
             # tokenizers then emits any whole piece found in the vocab, as tiktoken does.
             for token, number in vocab.items():
-                key = as_bytes(token)
-                if key not in ranks and number not in added_ids:
+                if number in added_ids:
+                    continue
+                key = as_bytes[token]
+                if key is None:
+                    raise NotConvertible(f"its token {token!r} is not byte-level")
+                if key not in ranks:
                     ranks[key] = len(ids)
                     ids.append(number)
         return cls(pattern, ranks, specials, np.asarray(ids, dtype=np.int64))
@@ -244,7 +257,7 @@ def probe_texts(added: Sequence[str] = (), seed: int = 0) -> list[str]:
             return rng.choice(_SPACES) * rng.randint(1, 4)
         return "".join(char() for _ in range(rng.randint(1, 5)))
 
-    for _ in range(1500):
+    for _ in range(1000):
         texts.append("".join(word() + rng.choice(("", " ", " ", "\n")) for _ in range(12)))
     for contraction in _CONTRACTIONS:
         texts += [f"it{contraction} x", f"I{contraction}{contraction}", f" {contraction}"]
