@@ -1,16 +1,20 @@
-"""`hp-data preprocess` against `tokenizers`' own `encode_batch`, side by side.
+"""`hp-data preprocess`, with each tokenizer engine, against `tokenizers`' own batch encoders.
 
-    uv run python tools/bench/bench_preprocess.py [--workers 2] [--mb 50]
+    uv run python tools/bench/bench_preprocess.py [--workers 1,2] [--mb 50]
 
-Builds (once, cached in --cache) a 32k byte-level BPE trained on CPython's standard library
-sources and a JSONL corpus of English-like text (sentences of the stdlib's docstrings, mixed
-into documents of 3-60 sentences). Then, each in a fresh process:
+Builds (once, cached in --cache) two byte-level BPE tokenizers trained on CPython's standard
+library sources: a 32k one (ByteLevel pre-tokenizer, GPT-2's layout) and a 128k Llama-3-style
+one (Llama 3's Split regex, then ByteLevel, ignore_merges), and a JSONL corpus of
+English-like text (sentences of the stdlib's docstrings, mixed into documents of 3-60
+sentences). Then, for each tokenizer and each worker count N, each in a fresh process:
 
-- reference: `Tokenizer.encode_batch(texts, add_special_tokens=False)` on the texts already in
-  memory, with RAYON_NUM_THREADS=workers (the ceiling: no reading, parsing or writing);
-- hp: `hp-data preprocess corpus.jsonl --workers N --append-eod`, the whole run end to end.
+- ceiling: `Tokenizer.encode_batch` and `encode_batch_fast(texts, add_special_tokens=False)`
+  on the texts already in memory, with RAYON_NUM_THREADS=N (no reading, parsing or writing);
+- hp: `hp-data preprocess corpus.jsonl --workers N --append-eod --tokenizer-engine E` for
+  E = hf and tiktoken, the whole run end to end.
 
-Prints tokens/s, MB/s, documents/s for both, hp's share of the ceiling, and hp's peak RSS.
+Prints tokens/s, MB/s, documents/s of each, hp's share of each ceiling, hp's peak RSS, and
+whether the two engines wrote identical files.
 
     uv run python tools/bench/bench_preprocess.py --shards 1,2,4 [--workers 2]
 
@@ -28,7 +32,6 @@ import json
 import os
 import random
 import re
-import resource
 import subprocess
 import sys
 import sysconfig
@@ -41,42 +44,68 @@ import json, sys, time
 from tokenizers import Tokenizer
 texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
 tokenizer = Tokenizer.from_file(sys.argv[2])
-start = time.perf_counter()
-encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "tokens": sum(len(e.ids) for e in encodings),
-                  "documents": len(texts)}))
+report = {"documents": len(texts)}
+for name in ("encode_batch", "encode_batch_fast"):
+    start = time.perf_counter()
+    encodings = getattr(tokenizer, name)(texts, add_special_tokens=False)
+    report[name] = time.perf_counter() - start
+    report["tokens"] = sum(len(e.ids) for e in encodings)
+print(json.dumps(report))
 """
+# Runs a command; then prints the largest resident set of any one of its processes (KB).
+PEAK = """
+import resource, subprocess, sys
+result = subprocess.run(sys.argv[1:], check=True)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+# Llama 3's split regex, as its tokenizer.json gives it.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
-def prepare(cache: Path, megabytes: float) -> tuple[Path, Path]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def prepare(cache: Path, megabytes: float) -> tuple[Path, dict[str, Path]]:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     cache.mkdir(parents=True, exist_ok=True)
-    tokenizer_path = cache / "bpe32k.json"
+    tokenizers = {"32k BPE": cache / "bpe32k.json", "128k Llama-3-style": cache / "llama3.json"}
     corpus = cache / f"english-{megabytes:g}mb.jsonl"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sources = [p for p in sorted(stdlib.rglob("*.py")) if "test" not in p.parts]
-    if not tokenizer_path.exists():
-        tokenizer = Tokenizer(models.BPE())
+
+    def texts():
+        for path in sources:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+
+    for (name, path), llama in zip(tokenizers.items(), (False, True), strict=True):
+        if path.exists():
+            continue
+        tokenizer = Tokenizer(models.BPE(ignore_merges=llama))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        specials = ["<|endoftext|>"]
+        if llama:
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+            specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+            specials += [f"<|reserved_special_token_{i}|>" for i in range(254)]
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=32000,
-            special_tokens=["<|endoftext|>"],
+            vocab_size=128_256 if llama else 32000,
+            special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-
-        def texts():
-            for path in sources:
-                try:
-                    yield path.read_text(encoding="utf-8")
-                except UnicodeDecodeError:
-                    continue
-
+        print(f"training the {name} tokenizer (once) ...", flush=True)
         tokenizer.train_from_iterator(texts(), trainer=trainer)
-        tokenizer.save(str(tokenizer_path))
+        tokenizer.save(str(path))
     if not corpus.exists():
         import ast
 
@@ -101,7 +130,7 @@ def prepare(cache: Path, megabytes: float) -> tuple[Path, Path]:
                 line = json.dumps({"text": text}) + "\n"
                 out.write(line)
                 written += len(line)
-    return corpus, tokenizer_path
+    return corpus, tokenizers
 
 
 def _timed(command: list[str]) -> float:
@@ -175,42 +204,10 @@ def merge_rate(hp: str, out: Path, shards: int = 4, megabytes: int = 256) -> Non
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--mb", type=float, default=50.0)
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hp-bench")
-    parser.add_argument("--shards", default=None, help="e.g. 1,2,4: the sharded path instead")
-    args = parser.parse_args()
-
-    corpus, tokenizer = prepare(args.cache, args.mb)
-    if args.shards:
-        sharded(corpus, tokenizer, args.workers, [int(n) for n in args.shards.split(",")])
-        return
+def compare_engines(corpus: Path, name: str, tokenizer: Path, workers: int) -> None:
+    """One tokenizer, one worker count: both ceilings, then hp with each engine."""
     size = corpus.stat().st_size
-    env = {**os.environ, "RAYON_NUM_THREADS": str(args.workers)}
-    with tempfile.TemporaryDirectory() as out:
-        command = [
-            str(Path(sys.executable).parent / "hp-data"),
-            "preprocess",
-            str(corpus),
-            "--out",
-            f"{out}/bench",
-            "--tokenizer",
-            str(tokenizer),
-            "--append-eod",
-            "--workers",
-            str(args.workers),
-            "--quiet",
-            "--json",
-        ]
-        start = time.perf_counter()
-        result = subprocess.run(command, check=True, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-    summary = json.loads(result.stdout)
-    # The largest resident set of any one process of the hp run (main or a worker), read
-    # before the reference runs, which holds the whole corpus in memory.
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    env = {**os.environ, "RAYON_NUM_THREADS": str(workers)}
     reference = json.loads(
         subprocess.run(
             [sys.executable, "-c", REFERENCE, str(corpus), str(tokenizer)],
@@ -221,32 +218,74 @@ def main() -> None:
         ).stdout
     )
 
-    def report(name: str, seconds: float, tokens: int, documents: int) -> float:
+    def report(label: str, seconds: float, tokens: int, documents: int) -> float:
         rate = tokens / seconds
         print(
-            f"{name:<44} {seconds:7.2f} s  {rate / 1e6:6.3f} M tokens/s  "
-            f"{size / seconds / 1e6:6.2f} MB/s  {documents / seconds:8.0f} docs/s"
+            f"  {label:<46} {seconds:7.2f} s  {rate / 1e6:6.3f} M tokens/s  "
+            f"{size / seconds / 1e6:6.2f} MB/s  {documents / seconds:8.0f} docs/s",
+            flush=True,
         )
         return rate
 
-    print(
-        f"corpus: {size / 1e6:.1f} MB, {reference['documents']:,} documents; "
-        f"32k byte-level BPE; {args.workers} threads / workers"
+    print(f"{name}, {workers} thread(s) / worker(s):")
+    tokens, documents = reference["tokens"], reference["documents"]
+    ceilings = {
+        method: report(f"tokenizers {method}", reference[method], tokens, documents)
+        for method in ("encode_batch", "encode_batch_fast")
+    }
+    hp = str(Path(sys.executable).parent / "hp-data")
+    written = {}
+    with tempfile.TemporaryDirectory() as out:
+        for engine in ("hf", "tiktoken"):
+            prefix = f"{out}/{engine}"
+            command = [hp, "preprocess", str(corpus), "--out", prefix, "--tokenizer"]
+            command += [str(tokenizer), "--append-eod", "--workers", str(workers), "--quiet"]
+            command += ["--json", "--tokenizer-engine", engine]
+            start = time.perf_counter()
+            result = subprocess.run(
+                [sys.executable, "-c", PEAK, *command], check=True, capture_output=True, text=True
+            )
+            wall = time.perf_counter() - start
+            *output, peak_kb = result.stdout.splitlines()
+            summary = json.loads(output[-1])
+            assert summary["engine"] == engine, summary["engine"]
+            # hp's tokens include one EOD per document; compare like with like.
+            rate = report(
+                f"hp-data preprocess --tokenizer-engine {engine}",
+                wall,
+                summary["tokens"] - summary["documents_written"],
+                summary["documents_in"],
+            )
+            shares = ", ".join(f"{rate / c:.2f}x {m}" for m, c in ceilings.items())
+            print(f"  {'':<46} = {shares}; peak RSS of one process {int(peak_kb) / 1024:.0f} MB")
+            written[engine] = Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+    print(f"  identical .bin/.idx from both engines: {written['hf'] == written['tiktoken']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1, os.cpu_count() or 1],
+        help="worker counts to compare, e.g. 1,2",
     )
-    ceiling = report(
-        f"tokenizers encode_batch ({args.workers} threads)",
-        reference["seconds"],
-        reference["tokens"],
-        reference["documents"],
-    )
-    # hp's tokens include one EOD per document; compare like with like.
-    hp_rate = report(
-        "hp-data preprocess (whole run, wall clock)",
-        wall,
-        summary["tokens"] - summary["documents_written"],
-        summary["documents_in"],
-    )
-    print(f"hp / encode_batch: {hp_rate / ceiling:.1%}   peak RSS of one process: {peak_mb:.0f} MB")
+    parser.add_argument("--mb", type=float, default=50.0)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hp-bench")
+    parser.add_argument("--shards", default=None, help="e.g. 1,2,4: the sharded path instead")
+    args = parser.parse_args()
+
+    corpus, tokenizers = prepare(args.cache, args.mb)
+    if args.shards:
+        counts = [int(n) for n in args.shards.split(",")]
+        sharded(corpus, tokenizers["32k BPE"], args.workers[-1], counts)
+        return
+    size = corpus.stat().st_size
+    documents = sum(1 for _ in corpus.open("rb"))
+    print(f"corpus: {size / 1e6:.1f} MB, {documents:,} documents")
+    for name, tokenizer in tokenizers.items():
+        for workers in args.workers:
+            compare_engines(corpus, name, tokenizer, workers)
 
 
 if __name__ == "__main__":
