@@ -76,3 +76,26 @@ def test_get_batch_stacks_items(tmp_path):
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             np.testing.assert_array_equal(batch[key][row], item[key])
         np.testing.assert_array_equal(batch["cu_seqlens"][row], item["cu_seqlens"])
+
+
+def test_int32_offsets_read_the_right_tokens_past_2_gib(tmp_path):
+    # Sample indices are int32 now: an offset taken straight from one must not overflow when
+    # the reader turns it into bytes (2^30 uint16 tokens = 2^31 bytes). The .bin is sparse.
+    from hp_data import IndexedDataset
+    from hp_data.format.header import pack_header
+
+    prefix = str(tmp_path / "big")
+    lengths = np.array([2**30 + 8, 4], dtype=np.int32)
+    with open(prefix + ".idx", "wb") as out:
+        out.write(pack_header(np.dtype(np.uint16), 2, 3))
+        out.write(lengths.tobytes())
+        out.write(np.array([0, (2**30 + 8) * 2], dtype=np.int64).tobytes())
+        out.write(np.array([0, 1, 2], dtype=np.int64).tobytes())
+    with open(prefix + ".bin", "wb") as out:
+        out.truncate(int(lengths.sum(dtype=np.int64)) * 2)
+        out.seek(2**31)
+        out.write(np.array([7, 8, 9], dtype=np.uint16).tobytes())
+    dataset = IndexedDataset(prefix)
+    tokens = dataset.get(np.int32(0), np.int32(2**30), np.int32(3))
+    assert tokens.tolist() == [7, 8, 9]
+    assert dataset.get(0, np.int32(2**30 + 1)).tolist() == [8, 9, 0, 0, 0, 0, 0]

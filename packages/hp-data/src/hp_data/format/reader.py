@@ -157,8 +157,9 @@ class IndexedDataset:
         if not 0 <= idx < count:
             raise IndexError(f"sequence {idx} out of range for {count} sequences")
         size = self._lengths.item(idx)
-        if length is None:
-            length = size - offset
+        # Python ints: an int32 offset from a sample index would overflow in `offset * itemsize`.
+        offset = int(offset)
+        length = size - offset if length is None else int(length)
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(
                 f"tokens [{offset}, {offset + length}) out of range for sequence {idx} "
