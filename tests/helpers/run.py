@@ -20,9 +20,14 @@ def run_preprocess(inputs, out, tokenizer, **options) -> PreprocessSummary:
     )
 
 
-def cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, cwd=None, timeout: float = 300, env=None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [HP_DATA, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
+        [HP_DATA, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
     )
 
 

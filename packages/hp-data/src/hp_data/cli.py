@@ -219,17 +219,46 @@ def plan_command(
 
 
 @main.command(name="preprocess")
-@click.argument("corpus", nargs=-1, required=True)
+@click.argument("corpus", nargs=-1)
+@click.option(
+    "--input",
+    "inputs",
+    multiple=True,
+    help="A corpus file, glob or directory, as Megatron's --input (repeatable; same as CORPUS).",
+)
 @click.option(
     "--out",
     "out_prefix",
-    required=True,
+    default=None,
     help="Output prefix: writes OUT.bin/.idx (one key) or OUT_{key}_document.bin/.idx.",
 )
 @click.option(
+    "--output-prefix",
+    default=None,
+    help="Megatron's output naming: writes OUTPUT_PREFIX_{key}_document.bin/.idx for every "
+    "key, what a Megatron --data-path names.",
+)
+@click.option(
     "--tokenizer",
-    required=True,
-    help="tokenizer.json, or a HF tokenizer directory (tokenizer.json and tokenizer_config.json).",
+    "--tokenizer-model",
+    "tokenizer",
+    default=None,
+    help="tokenizer.json, a HF tokenizer directory (tokenizer.json or vocab.json + merges.txt, "
+    "and tokenizer_config.json), or a HF hub name found in the local HF cache.",
+)
+@click.option(
+    "--tokenizer-type",
+    type=click.Choice(["HuggingFaceTokenizer", "GPT2BPETokenizer"], case_sensitive=False),
+    default=None,
+    help="Megatron's tokenizer type: HuggingFaceTokenizer (with --tokenizer-model) or "
+    "GPT2BPETokenizer (with --vocab-file and --merge-file).",
+)
+@click.option("--vocab-file", default=None, help="GPT-2 BPE vocab.json (with --merge-file).")
+@click.option("--merge-file", default=None, help="GPT-2 BPE merges.txt (with --vocab-file).")
+@click.option(
+    "--allow-download",
+    is_flag=True,
+    help="Fetch a hub tokenizer that is not in the local HF cache (tokenizer files only).",
 )
 @click.option(
     "--tokenizer-engine",
@@ -339,10 +368,22 @@ def plan_command(
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--split-sentences", is_flag=True, hidden=True)
+@click.option("--partitions", type=int, default=None, hidden=True)
+@click.option("--log-interval", type=int, default=None, hidden=True)
+@click.option("--keep-sequential-samples", is_flag=True, hidden=True)
+@click.option("--keep-newlines", is_flag=True, hidden=True)
+@click.option("--lang", default=None, hidden=True)
 def preprocess_command(
     corpus: tuple[str, ...],
-    out_prefix: str,
-    tokenizer: str,
+    inputs: tuple[str, ...],
+    out_prefix: str | None,
+    output_prefix: str | None,
+    tokenizer: str | None,
+    tokenizer_type: str | None,
+    vocab_file: str | None,
+    merge_file: str | None,
+    allow_download: bool,
     tokenizer_engine: str,
     verify: bool,
     json_keys: tuple[str, ...],
@@ -365,10 +406,33 @@ def preprocess_command(
     ray_address: str | None,
     quiet: bool,
     as_json: bool,
+    split_sentences: bool,
+    **ignored: Any,
 ) -> None:
     """Tokenize CORPUS (JSONL, .jsonl.gz, .jsonl.zst, Parquet, HF datasets; files, globs or
-    directories) into Megatron .bin/.idx datasets, in parallel and resumably."""
+    directories) into Megatron .bin/.idx datasets, in parallel and resumably.
+
+    Megatron's tools/preprocess_data.py flags work as they are: --input, --output-prefix,
+    --tokenizer-type, --tokenizer-model, --vocab-file, --merge-file (docs/preprocess.md)."""
     from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
+    from hp_data.tokenize import resolve_tokenizer
+
+    corpus = corpus + inputs
+    if not corpus:
+        raise click.UsageError("name the corpus: CORPUS... or --input")
+    if (out_prefix is None) == (output_prefix is None):
+        raise click.UsageError("give the output as --out or as --output-prefix (Megatron's)")
+    if split_sentences:
+        raise click.UsageError(
+            "--split-sentences: hp-data writes one sequence per document and does not split "
+            "sentences; leave it out"
+        )
+    for name, value in ignored.items():
+        if value:
+            click.echo(
+                f"Note: --{name.replace('_', '-')} is Megatron's; hp-data ignores it", err=True
+            )
+    files = resolve_tokenizer(tokenizer, tokenizer_type, vocab_file, merge_file, allow_download)
 
     options = PreprocessOptions(
         json_keys=tuple(key for value in json_keys for key in value.replace(",", " ").split()),
@@ -391,14 +455,17 @@ def preprocess_command(
         shard_index=shard_index,
         tokenizer_engine=tokenizer_engine,
         verify=verify,
+        allow_download=allow_download,
+        megatron_names=output_prefix is not None,
     )
+    out_prefix = output_prefix if out_prefix is None else out_prefix
     if ray_address is not None:
         if shard_index is not None:
             raise click.UsageError("--ray runs every shard; leave out --shard-index")
         from hp_data.on_ray import preprocess_on_ray
 
         address = None if ray_address == "local" else ray_address
-        report = preprocess_on_ray(list(corpus), out_prefix, tokenizer, options, address)
+        report = preprocess_on_ray(list(corpus), out_prefix, files, options, address)
         if as_json:
             click.echo(json.dumps(report))
         else:
@@ -410,7 +477,7 @@ def preprocess_command(
         return
     if num_shards > 1 and shard_index is None:
         raise click.UsageError("--num-shards needs --shard-index (which shard this run is)")
-    summary = preprocess(list(corpus), out_prefix, tokenizer, options)
+    summary = preprocess(list(corpus), out_prefix, files, options)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
     else:

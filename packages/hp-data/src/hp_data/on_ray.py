@@ -21,9 +21,12 @@ from hp_data.preprocess import PreprocessOptions, preprocess
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
 from hp_data.shards import merge_shards
+from hp_data.tokenize import TokenizerFiles
 
 
-def _shard(inputs: list[str], out: str, tokenizer: str, options: PreprocessOptions) -> dict:
+def _shard(
+    inputs: list[str], out: str, tokenizer: TokenizerFiles, options: PreprocessOptions
+) -> dict:
     """One task: shard `options.shard_index` of `options.num_shards` (a Ray task body)."""
     return preprocess(inputs, out, tokenizer, options).__dict__
 
@@ -31,7 +34,7 @@ def _shard(inputs: list[str], out: str, tokenizer: str, options: PreprocessOptio
 def preprocess_on_ray(
     inputs: list[str],
     out_prefix: str,
-    tokenizer: str,
+    tokenizer: str | TokenizerFiles,
     options: PreprocessOptions | None = None,
     address: str | None = None,
 ) -> dict[str, Any]:
@@ -50,7 +53,11 @@ def preprocess_on_ray(
         raise PreprocessError("standard input (-) cannot be split over Ray tasks; give files")
     started = time.perf_counter()
     inputs = [os.path.abspath(path) for path in inputs]
-    out_prefix, tokenizer = os.path.abspath(out_prefix), os.path.abspath(tokenizer)
+    out_prefix = os.path.abspath(out_prefix)
+    # Located here (a hub name resolves in this machine's cache), with an absolute path.
+    if not isinstance(tokenizer, TokenizerFiles):
+        tokenizer = TokenizerFiles.locate(tokenizer, options.allow_download)
+    tokenizer = replace(tokenizer, tokenizer_json=os.path.abspath(tokenizer.tokenizer_json))
     found = discover(inputs, options.input_format)  # bad inputs fail here, before any task
     started_here = not ray.is_initialized()
     if started_here:
@@ -67,7 +74,7 @@ def _run(
     found: list,
     inputs: list[str],
     out_prefix: str,
-    tokenizer: str,
+    tokenizer: TokenizerFiles,
     options: PreprocessOptions,
     started: float,
 ) -> dict[str, Any]:

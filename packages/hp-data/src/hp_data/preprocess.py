@@ -92,18 +92,23 @@ class PreprocessOptions:
     num_shards: int = 1  # with shard_index: process one of num_shards groups of units
     shard_index: int | None = None
     tokenizer_engine: str = "auto"  # auto, hf or tiktoken (tokenize.ENGINES)
+    allow_download: bool = False  # a hub tokenizer not in the local cache may be fetched
+    megatron_names: bool = False  # PREFIX_{key}_document for every key, as Megatron names them
     verify: bool = False  # check the fast engine on every document, not one in VERIFY_EVERY
 
 
-def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
-    """`PREFIX` for one key; Megatron's `PREFIX_{key}_document` for each of several."""
+def output_prefixes(
+    out_prefix: str, keys: tuple[str, ...], megatron_names: bool = False
+) -> dict[str, str]:
+    """`PREFIX` for one key; Megatron's `PREFIX_{key}_document` for each of several, or for
+    every key with `megatron_names` (what `--output-prefix` gives)."""
     if not os.path.basename(prefix_of(out_prefix)):
         raise PreprocessError(
             f"--out {out_prefix!r}: the prefix needs a file name, e.g. out/corpus "
             "(writes out/corpus.bin and out/corpus.idx)"
         )
     out_prefix = prefix_of(out_prefix)
-    if len(keys) == 1:
+    if len(keys) == 1 and not megatron_names:
         return {keys[0]: out_prefix}
     return {key: f"{out_prefix}_{key}_document" for key in keys}
 
@@ -114,6 +119,7 @@ def output_prefixes(out_prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
 @dataclass(frozen=True)
 class _WorkerSpec:
     tokenizer_json: str
+    tokenizer_data: bytes | None  # the tokenizer.json text when no file holds it
     keys: tuple[str, ...]
     dtype: str
     bos: int | None
@@ -154,6 +160,8 @@ def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
     from tokenizers import Tokenizer
 
     _worker["spec"] = spec
+    if tokenizer is None and spec.tokenizer_data is not None:
+        tokenizer = Tokenizer.from_str(spec.tokenizer_data.decode())
     reference = HFEngine(tokenizer or Tokenizer.from_file(spec.tokenizer_json))
     _worker["reference"] = reference
     _worker["engine"] = spec.fast.engine() if spec.fast is not None else reference
@@ -405,6 +413,7 @@ class PreprocessSummary:
     engine: str = "hf"  # the tokenizer engine that ran: hf (tokenizers) or tiktoken
     probe_texts: int = 0  # texts the fast engine was checked on before the run
     verified_documents: int = 0  # and documents during it
+    tokenizer: dict[str, str] | None = None  # what was named, the file used, its xxh3-128
 
     def as_dict(self) -> dict[str, Any]:
         seconds = max(self.seconds, 1e-9)
@@ -419,10 +428,11 @@ class PreprocessSummary:
 def preprocess(
     inputs: list[str],
     out_prefix: str,
-    tokenizer_path: str,
+    tokenizer_path: str | TokenizerFiles,
     options: PreprocessOptions | None = None,
 ) -> PreprocessSummary:
-    """Tokenize `inputs` into `out_prefix` (see the module docstring for the guarantees)."""
+    """Tokenize `inputs` into `out_prefix` (see the module docstring for the guarantees).
+    The tokenizer is a path or hub name (`TokenizerFiles.locate`) or one already located."""
     options = options or PreprocessOptions()
     refuse_reentry()
     started = time.perf_counter()
@@ -447,7 +457,11 @@ def preprocess(
     if sharded and any(s.path == STDIN for s in found):
         raise PreprocessError("standard input (-) cannot be split over shards; give files")
     units = plan_units(found, options.unit_bytes, options.units, options.num_shards)
-    files = TokenizerFiles.locate(tokenizer_path)
+    files = (
+        tokenizer_path
+        if isinstance(tokenizer_path, TokenizerFiles)
+        else TokenizerFiles.locate(tokenizer_path, options.allow_download)
+    )
     tokenizer = files.load()
     vocabulary = vocab_size(tokenizer)
     dtype = optimal_dtype(vocabulary) if options.dtype is None else as_token_dtype(options.dtype)
@@ -459,6 +473,7 @@ def preprocess(
     fast, probes = choose_engine(files, tokenizer, options.tokenizer_engine)
     spec = _WorkerSpec(
         tokenizer_json=files.tokenizer_json,
+        tokenizer_data=files.data,
         keys=keys,
         dtype=str(dtype),
         bos=files.special_id(tokenizer, "bos", options.bos_token) if options.add_bos else None,
@@ -469,7 +484,7 @@ def preprocess(
         fast=fast,
         verify_every=1 if options.verify else VERIFY_EVERY,
     )
-    outputs = output_prefixes(out_prefix, keys)
+    outputs = output_prefixes(out_prefix, keys, options.megatron_names)
     config = _config_hash(files, spec, options)
     task = None
     shards = units
@@ -541,6 +556,11 @@ def preprocess(
     finalize_together(finals)
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
+    summary.tokenizer = {
+        "source": files.source or files.tokenizer_json,
+        "path": files.tokenizer_json,
+        "xxh3_128": files.content_hash(),
+    }
     if task is not None:  # the shard's hashes and manifest, after its datasets
         hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
         task.commit(outputs, hashes, summary.__dict__)
@@ -716,6 +736,14 @@ def format_summary(summary: PreprocessSummary) -> str:
     )
     if summary.dedup_hash_set_bytes is not None:
         lines.append(f"dedup hash set: {human(summary.dedup_hash_set_bytes, 'B')}")
+    if summary.tokenizer:
+        named = summary.tokenizer["source"]
+        path = summary.tokenizer["path"]
+        lines.append(
+            f"tokenizer: {named}"
+            + (f" = {path}" if path != named else "")
+            + f" (xxh3 {summary.tokenizer['xxh3_128'][:16]})"
+        )
     if summary.engine == "tiktoken":
         lines.append(
             f"engine: tiktoken, ids checked against tokenizers on {summary.probe_texts:,} "

@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
+import orjson
 import xxhash
 from tokenizers import Tokenizer
 
@@ -23,48 +25,81 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|bos
 ENGINES = ("auto", "hf", "tiktoken")
 
 
+# What a tokenizer is fetched as from the Hugging Face hub (never weights).
+HUB_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]
+
+
 @dataclass(frozen=True)
 class TokenizerFiles:
     """Where a tokenizer lives: its `tokenizer.json` and, for a HF directory, its config."""
 
-    tokenizer_json: str
+    tokenizer_json: str  # the file, or what the model was built from (for messages)
     config: dict[str, object]
     config_path: str | None = None  # the tokenizer_config.json that `config` was read from
+    data: bytes | None = None  # the tokenizer.json text, when no file holds it
+    source: str = ""  # what the user named: a path, a hub name, vocab + merges
 
     @classmethod
-    def locate(cls, path: str | os.PathLike[str]) -> TokenizerFiles:
-        """A `tokenizer.json` file, or a directory with `tokenizer.json` and optionally
-        `tokenizer_config.json` (whose `eos_token`/`bos_token` then name EOD and BOS)."""
-        path = os.fspath(path)
+    def locate(cls, path: str | os.PathLike[str], allow_download: bool = False) -> TokenizerFiles:
+        """A `tokenizer.json` file; a directory with `tokenizer.json` (or GPT-2's `vocab.json`
+        and `merges.txt`) and optionally `tokenizer_config.json` (whose `eos_token` and
+        `bos_token` then name EOD and BOS); or a Hugging Face hub name (`gpt2`,
+        `meta-llama/Llama-3.1-8B`), found in the local hub cache, or fetched if
+        `allow_download` (tokenizer files only)."""
+        path = source = os.fspath(path)
+        if not os.path.exists(path) and _HUB_NAME.fullmatch(path):
+            path = _from_hub(path, allow_download)
         if os.path.isdir(path):
             file = os.path.join(path, "tokenizer.json")
             config_path = os.path.join(path, "tokenizer_config.json")
+            vocab, merges = (os.path.join(path, n) for n in ("vocab.json", "merges.txt"))
+            if not os.path.isfile(file) and os.path.isfile(vocab) and os.path.isfile(merges):
+                files = cls.from_gpt2_files(vocab, merges)
+                return replace(files, **_config(config_path), source=source)
         else:
             file, config_path = path, None
         if not os.path.isfile(file):
             raise PreprocessError(
-                f"{file}: no such tokenizer file; pass a tokenizer.json or a directory with one"
+                f"{file}: no such tokenizer file; pass a tokenizer.json, a directory with one, "
+                "or a Hugging Face hub name"
             )
-        config: dict[str, object] = {}
-        if config_path and os.path.isfile(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as stream:
-                    config = json.load(stream)
-            except (OSError, ValueError) as exc:
-                raise PreprocessError(
-                    f"{config_path}: unreadable tokenizer config: {exc}"
-                ) from None
-            if not isinstance(config, dict):
-                raise PreprocessError(f"{config_path}: expected a JSON object")
-        return cls(file, config, config_path if config else None)
+        return cls(file, **_config(config_path), source=source)
+
+    @classmethod
+    def from_gpt2_files(cls, vocab: str, merges: str) -> TokenizerFiles:
+        """GPT-2's `vocab.json` + `merges.txt`, as Megatron's GPT2BPETokenizer reads them:
+        byte-level BPE with GPT-2's regex; `<|endoftext|>` is the EOD token and, as in
+        Megatron, text that spells it is tokenized as text."""
+        from tokenizers import decoders, models, pre_tokenizers
+
+        for name in (vocab, merges):
+            if not os.path.isfile(name):
+                raise PreprocessError(f"{name}: no such file")
+        try:
+            model = models.BPE.from_file(vocab, merges)
+        except Exception as exc:  # tokenizers raises plain Exception for bad files
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PreprocessError(f"{vocab}, {merges}: not GPT-2 BPE files: {reason}") from None
+        tokenizer = Tokenizer(model)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return cls(f"{vocab} + {merges}", {}, data=tokenizer.to_str().encode())
+
+    def read(self) -> bytes:
+        """The tokenizer.json text."""
+        if self.data is not None:
+            return self.data
+        with open(self.tokenizer_json, "rb") as stream:
+            return stream.read()
 
     def content_hash(self) -> str:
         """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
-        with open(self.tokenizer_json, "rb") as stream:
-            return xxhash.xxh3_128_hexdigest(stream.read())
+        return xxhash.xxh3_128_hexdigest(self.read())
 
     def load(self) -> Tokenizer:
         try:
+            if self.data is not None:
+                return Tokenizer.from_str(self.data.decode())
             return Tokenizer.from_file(self.tokenizer_json)
         except Exception as exc:  # tokenizers raises plain Exception for bad JSON
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -102,6 +137,80 @@ class TokenizerFiles:
         raise PreprocessError(
             f"the tokenizer has none of {', '.join(candidates)}; name its token with {option}"
         )
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _from_hub(name: str, allow_download: bool) -> str:
+    """The directory of `name`'s tokenizer files in the Hugging Face cache (HF_HOME,
+    HF_HUB_CACHE), fetched first if `allow_download`."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            name, allow_patterns=HUB_FILES, local_files_only=not allow_download
+        )
+    except LocalEntryNotFoundError:
+        if allow_download:
+            raise PreprocessError(f"{name}: could not reach the Hugging Face hub") from None
+        raise PreprocessError(
+            f"{name}: no such file or directory, and not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); fetch it with --allow-download"
+        ) from None
+    except (HfHubHTTPError, ValueError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PreprocessError(f"{name}: {reason}") from None
+
+
+def _config(path: str | None) -> dict[str, Any]:
+    """`config` and `config_path` of a tokenizer_config.json, if there is one."""
+    config: dict[str, object] = {}
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as stream:
+                config = json.load(stream)
+        except (OSError, ValueError) as exc:
+            raise PreprocessError(f"{path}: unreadable tokenizer config: {exc}") from None
+        if not isinstance(config, dict):
+            raise PreprocessError(f"{path}: expected a JSON object")
+    return {"config": config, "config_path": path if config else None}
+
+
+# Megatron's --tokenizer-type values hp reads, and what each needs.
+MEGATRON_TOKENIZER_TYPES = {
+    "HuggingFaceTokenizer": "--tokenizer-model (a hub name or a directory)",
+    "GPT2BPETokenizer": "--vocab-file and --merge-file",
+}
+
+
+def resolve_tokenizer(
+    tokenizer: str | None,
+    tokenizer_type: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    allow_download: bool = False,
+) -> TokenizerFiles:
+    """The tokenizer named by the command line: hp's `--tokenizer`, or Megatron's
+    `--tokenizer-type` with `--tokenizer-model` or `--vocab-file`/`--merge-file`."""
+    if tokenizer_type is not None and tokenizer_type not in MEGATRON_TOKENIZER_TYPES:
+        known = ", ".join(f"{k} ({v})" for k, v in MEGATRON_TOKENIZER_TYPES.items())
+        raise PreprocessError(f"--tokenizer-type {tokenizer_type}: hp-data reads {known}")
+    gpt2 = tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file
+    if gpt2:
+        if not (vocab_file and merge_file) or tokenizer:
+            raise PreprocessError(
+                "a GPT-2 BPE tokenizer is --vocab-file vocab.json and --merge-file merges.txt, "
+                "without --tokenizer"
+            )
+        return TokenizerFiles.from_gpt2_files(vocab_file, merge_file)
+    if not tokenizer:
+        raise PreprocessError(
+            "name the tokenizer: --tokenizer (a tokenizer.json, a directory or a hub name), "
+            "or --vocab-file and --merge-file"
+        )
+    return TokenizerFiles.locate(tokenizer, allow_download)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -172,9 +281,10 @@ def choose_engine(
         return None, 0
     source = files.tokenizer_json
     try:
-        recipe = FastBPE.from_tokenizer_json(source)
+        recipe = FastBPE.from_description(orjson.loads(files.read()))
         engine = recipe.engine()
-    except (NotConvertible, ValueError) as exc:  # ValueError: tiktoken refused the recipe
+    except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
+        # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
         if requested == "tiktoken":
             raise PreprocessError(
                 f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "

@@ -1,0 +1,157 @@
+"""A Megatron user's preprocess command line works unchanged, with tokenizers where they are."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hp_data import IndexedDataset
+from hp_data.cli import main
+
+from tests.helpers.corpus_files import write_jsonl
+from tests.helpers.megatron import build_megatron
+from tests.helpers.run import cli, read_bytes
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory, example_tokenizer) -> tuple[Path, Path]:
+    """The shipped tokenizer written as GPT-2's vocab.json + merges.txt."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    described = json.loads(example_tokenizer.read_text())
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    vocab.write_text(json.dumps(described["model"]["vocab"]))
+    lines = "".join(" ".join(pair) + "\n" for pair in described["model"]["merges"])
+    merges.write_text("#version: 0.2\n" + lines)
+    return vocab, merges
+
+
+def _records(count: int = 40) -> list[dict]:
+    return [
+        {"text": f"Document {i} says: it's {i * 37} o'clock <|endoftext|> here.", "title": f"T{i}"}
+        for i in range(count)
+    ]
+
+
+def test_a_megatron_command_line_writes_what_megatron_reads(tmp_path, gpt2_files):
+    """preprocess_data.py's flags; megatron-core's GPTDataset opens the output by the same
+    --data-path; ids are transformers' GPT2Tokenizer's (the slow Python one) plus EOD."""
+    from transformers import GPT2Tokenizer
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", _records())
+    vocab, merges = gpt2_files
+    result = cli(
+        "preprocess", "--input", corpus, "--output-prefix", tmp_path / "my-corpus",
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+        "--json-keys", "text", "--append-eod", "--workers", "2", "--log-interval", "1000",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "--log-interval is Megatron's; hp-data ignores it" in result.stderr
+    data_path = str(tmp_path / "my-corpus_text_document")
+    # split_special_tokens: "<|endoftext|>" in text is text, as in Megatron's GPT2BPETokenizer.
+    reference = GPT2Tokenizer(str(vocab), str(merges), split_special_tokens=True)
+    eod = reference.convert_tokens_to_ids("<|endoftext|>")
+    expected = [reference.encode(r["text"]) + [eod] for r in _records()]
+    dataset = IndexedDataset(data_path)
+    assert [dataset.get_document(d).tolist() for d in range(len(expected))] == expected
+    # The text's own "<|endoftext|>" did not become EOD.
+    assert all(document.count(eod) == 1 for document in expected)
+
+    train, _, _ = build_megatron(
+        [8, None, None], 16, 1234, blend=([data_path], None), split="1,0,0", eod=eod
+    )
+    tokens = np.concatenate([np.asarray(train[i]["tokens"]) for i in range(len(train))])
+    assert set(tokens.tolist()) <= {t for document in expected for t in document}
+
+
+def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokenizer):
+    corpus = write_jsonl(tmp_path / "c.jsonl", _records(5))
+    runner = CliRunner()
+    args = ["preprocess", "--input", str(corpus), "--tokenizer-model", str(example_tokenizer)]
+    args += ["--workers", "1", "--quiet", "--json-keys", "text,title"]
+    result = runner.invoke(main, [*args, "--output-prefix", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.glob("p_*")) == [
+        "p_text_document.bin", "p_text_document.idx", "p_title_document.bin",
+        "p_title_document.idx",
+    ]  # fmt: skip
+    one = runner.invoke(main, [*args[:-1], "text", "--output-prefix", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    assert read_bytes(tmp_path / "one_text_document") == read_bytes(tmp_path / "p_text_document")
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "message"),
+    [
+        (["--split-sentences"], 2, "does not split sentences"),
+        (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file vocab.json and --merge-file"),
+        (["--tokenizer-type", "SentencePieceTokenizer"], 2, "'SentencePieceTokenizer' is not"),
+        (["--output-prefix", "x", "--out", "y"], 2, "--out or as --output-prefix"),
+    ],
+)
+def test_what_hp_cannot_do_is_said(tmp_path, example_tokenizer, extra, code, message):
+    corpus = write_jsonl(tmp_path / "c.jsonl", _records(2))
+    args = ["preprocess", "--input", str(corpus), "--quiet", "--workers", "1"]
+    if "--tokenizer-type" not in extra:
+        args += ["--tokenizer", str(example_tokenizer)]
+    if "--out" not in extra:
+        args += ["--output-prefix", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args + extra)
+    assert result.exit_code == code, result.output
+    assert message in result.output
+    assert not list(tmp_path.glob("out*"))
+
+
+def _hub_cache(root: Path, name: str, tokenizer: Path) -> None:
+    """A Hugging Face hub cache entry for `name`, laid out as huggingface_hub writes one."""
+    repo = root / f"models--{name.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    config = {"eos_token": "<|endoftext|>", "model_max_length": 1024}
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_a_hub_name_resolves_in_the_local_cache_offline(tmp_path, example_tokenizer):
+    cache = tmp_path / "hub"
+    _hub_cache(cache, "hp-org/tiny-bpe", example_tokenizer)
+    corpus = write_jsonl(tmp_path / "c.jsonl", _records(5))
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    env.pop("HF_HOME", None)
+    command = [
+        "preprocess", corpus, "--out", tmp_path / "hub", "--tokenizer-type",
+        "HuggingFaceTokenizer", "--tokenizer-model", "hp-org/tiny-bpe", "--append-eod",
+        "--workers", "1", "--json", "--quiet",
+    ]  # fmt: skip
+    result = cli(*command, env=env)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    # Where huggingface_hub itself finds the file (the reference for the cache layout).
+    found = _try_to_load_from_cache(cache, "hp-org/tiny-bpe")
+    assert summary["tokenizer"]["source"] == "hp-org/tiny-bpe"
+    assert os.path.samefile(summary["tokenizer"]["path"], found)
+    local = cli(*command[:2], "--out", tmp_path / "local", "--tokenizer", example_tokenizer,
+                "--append-eod", "--workers", "1", "--quiet")  # fmt: skip
+    assert local.returncode == 0, local.stderr
+    assert read_bytes(tmp_path / "hub") == read_bytes(tmp_path / "local")
+
+    missing = cli(*command[:4], "--tokenizer", "hp-org/not-cached", "--quiet", env=env)
+    assert missing.returncode == 1
+    assert "hp-org/not-cached: no such file or directory, and not in the Hugging Face cache" in (
+        missing.stderr
+    )
+    assert "--allow-download" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _try_to_load_from_cache(cache: Path, name: str) -> str:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "tokenizer.json", cache_dir=str(cache))
+    assert isinstance(found, str)
+    return found
