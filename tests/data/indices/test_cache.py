@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -128,13 +129,17 @@ def _narrower(array):
     return array.astype(np.int32)
 
 
+def _wider(array):  # what an hp before the narrow dtypes wrote
+    return array.astype(np.int64)
+
+
 def _out_of_range(array):
     array = np.array(array)
     array[-1] = 10**9
     return array
 
 
-@pytest.mark.parametrize("corrupt", [_shorter, _narrower, _out_of_range])
+@pytest.mark.parametrize("corrupt", [_shorter, _narrower, _wider, _out_of_range])
 def test_cached_arrays_that_disagree_with_their_record_are_rebuilt(tmp_path, corrupt):
     prefix = str(tmp_path / "corpus")
     write_with_hp(prefix, random_corpus(2, np.uint16, max_documents=60))
@@ -150,3 +155,33 @@ def test_cached_arrays_that_disagree_with_their_record_are_rebuilt(tmp_path, cor
     assert [second[i]["tokens"].tolist() for i in range(len(second))] == expected
     third = GPTDataset(prefix, "train", None, config)  # the rebuilt set loads cleanly
     assert third.cache_report["built_seconds"] is None
+
+
+def test_a_set_written_before_the_narrow_dtypes_is_rebuilt_not_loaded(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    write_with_hp(prefix, random_corpus(3, np.uint16, max_documents=60))
+    config = GPTDatasetConfig(seq_length=8, seed=3, split="1,0,0", cache_dir=str(tmp_path / "c"))
+    new = GPTDataset(prefix, "train", None, config)
+    names = ("document_index", "sample_index", "shuffle_index")
+    values = {name: np.array(getattr(new, name)) for name in names}
+    marker = next(f for f in new.cache_report["files"] if f.endswith("description.json"))
+    recorded = json.loads(Path(marker).read_text())
+    assert recorded["dtypes"] == {name: values[name].dtype.name for name in names}
+    # The same set as an older hp wrote it, in a cache of its own: int64 arrays under the key
+    # of a description without dtypes.
+    old = {k: v for k, v in recorded.items() if k not in ("key", "class", "arrays", "dtypes")}
+    old_key = fingerprint(old)
+    old_cache = tmp_path / "old"
+    old_cache.mkdir()
+    for name in names:
+        np.save(old_cache / f"{old_key}-GPTDataset-train-{name}.npy", values[name].astype(np.int64))
+    arrays = {n: {"shape": list(values[n].shape), "dtype": "int64"} for n in names}
+    (old_cache / f"{old_key}-GPTDataset-train-description.json").write_text(
+        json.dumps({"key": old_key, "class": "GPTDataset", **old, "arrays": arrays})
+    )
+    again = GPTDataset(prefix, "train", None, replace(config, cache_dir=str(old_cache)))
+    assert again.cache_report["key"] != old_key
+    assert again.cache_report["built_seconds"] is not None
+    for name in names:
+        assert getattr(again, name).dtype == values[name].dtype
+        np.testing.assert_array_equal(getattr(again, name), values[name])

@@ -6,11 +6,11 @@ import warnings
 
 import numpy as np
 import pytest
-from hp_data import IndexedDataset
+from hp_data import IndexedDataset, index
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
-from tests.helpers.megatron import build_megatron
+from tests.helpers.megatron import Tokenizer, build_megatron
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -86,7 +86,8 @@ def test_indices_and_samples_equal_megatrons(tmp_path, case, seed, dtype):
         np.testing.assert_array_equal(ours.sample_index, theirs[i].sample_index)
         np.testing.assert_array_equal(ours.shuffle_index, theirs[i].shuffle_index)
         assert len(ours) == len(theirs[i])
-        assert ours.document_index.dtype == ours.sample_index.dtype == np.int64
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            assert getattr(ours, name).dtype == getattr(theirs[i], name).dtype, name
         for j in range(len(ours)):
             text, _ = theirs[i]._query_document_sample_shuffle_indices(j)
             mine, _ = ours.sample_tokens(j)
@@ -155,3 +156,38 @@ def test_eod_masking_and_position_reset_match(tmp_path, eod_mask_loss, reset_pos
         item, reference = ours[j], theirs[j]
         for key in ("loss_mask", "position_ids"):
             np.testing.assert_array_equal(item[key], reference[key].numpy(), err_msg=key)
+
+
+@pytest.mark.parametrize("num_samples", [None, 250, 333])  # 1 epoch; 2; 3, the last apart
+def test_indices_of_any_document_ids_equal_megatrons(tmp_path, num_samples, monkeypatch):
+    # Any ids (not a contiguous split), summed and gathered across chunk edges.
+    from megatron.core.datasets import gpt_dataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
+    from megatron.core.datasets.utils import Split
+
+    monkeypatch.setattr(index, "CHUNK", 5)
+    prefix = _corpus(tmp_path, 6, np.uint16)
+    sizes = IndexedDataset(prefix).sequence_lengths
+    ids = np.flatnonzero(np.random.default_rng(6).random(len(sizes)) < 0.6).astype(np.int32)
+    config = gpt_dataset.GPTDatasetConfig(
+        random_seed=9,
+        sequence_length=16,
+        blend=([prefix], None),
+        split="1,0,0",
+        path_to_cache=None,
+        tokenizer=Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = gpt_dataset.GPTDataset(
+            MegatronIndexed(prefix), prefix, ids, num_samples, Split.train, config
+        )
+    ours = index.build_gpt_indices(sizes, ids, 16, num_samples, 9)
+    for name, array in zip(("document_index", "sample_index", "shuffle_index"), ours, strict=True):
+        reference = getattr(theirs, name)
+        assert array.dtype == reference.dtype, name
+        np.testing.assert_array_equal(array, reference, err_msg=name)

@@ -23,7 +23,7 @@ from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
-from hp_data.index import SPLITS, build_blending_indices, parse_split
+from hp_data.index import BLENDING_DTYPES, SPLITS, build_blending_indices, parse_split
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus
 
@@ -79,6 +79,9 @@ def sizes_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.0)
 def _blend_problem(arrays: dict[str, np.ndarray], size: int, count: int) -> str | None:
     """Why cached blending indices cannot be these (None when they can)."""
     index, sample = arrays["dataset_index"], arrays["dataset_sample_index"]
+    found = {name: array.dtype.name for name, array in arrays.items()}
+    if found != BLENDING_DTYPES:
+        return f"dtypes {found}, expected {BLENDING_DTYPES}"
     if index.shape != (size,) or sample.shape != (size,):
         return f"{size} samples expected, found {index.shape} and {sample.shape}"
     if size and not 0 <= int(index.min()) <= int(index.max()) < count:
@@ -114,6 +117,7 @@ class BlendableDataset:
             "weights": self.weights,
             "size": size,
             "split": split,
+            "dtypes": BLENDING_DTYPES,  # megatron's; in the key as for GPTDataset's arrays
         }
         arrays, self.cache_report = load_or_build(
             cache_dir,
@@ -132,7 +136,11 @@ class BlendableDataset:
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
-        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        # By chunks: bincount widens int16 ids to int64, 8 bytes a sample for the whole blend.
+        counts = np.zeros(len(datasets), dtype=np.int64)
+        for first in range(0, len(self.dataset_index), 1 << 20):
+            part = self.dataset_index[first : first + (1 << 20)]
+            counts += np.bincount(part, minlength=len(datasets))
         self._wrap = np.array([len(d) for d in datasets], dtype=np.int64)
         for k, (count, dataset) in enumerate(zip(counts, datasets, strict=True)):
             if count <= len(dataset):

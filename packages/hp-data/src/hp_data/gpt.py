@@ -16,8 +16,16 @@ import xxhash
 
 from hp_data.cache import load_or_build
 from hp_data.errors import HpDataError
+from hp_data.format.header import drop_pages
 from hp_data.format.reader import IndexedDataset
-from hp_data.index import SPLITS, IndexBuildError, build_gpt_indices, parse_split, split_ranges
+from hp_data.index import (
+    SPLITS,
+    IndexBuildError,
+    build_gpt_indices,
+    parse_split,
+    plan_gpt_indices,
+    split_ranges,
+)
 
 PAD_TOKEN = -1  # megatron-core's _PAD_TOKEN_ID: never a real id, zeroed in the item
 MAX_SEQ_LENGTH = 2**31 - 2  # a sample of L + 1 tokens still counts in int32
@@ -85,7 +93,12 @@ class GPTDataset:
             raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
         if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
             raise HpDataError("eod_mask_loss and reset_position_ids need config.eod_token")
-        self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
+        if isinstance(dataset, IndexedDataset):
+            self.dataset = dataset
+        else:
+            self.dataset = IndexedDataset(dataset)
+            # Checking it on open walked the whole index; only the lengths are needed here.
+            drop_pages(self.dataset.sequence_lengths)
         self.split = split
         self.config = config
         self.num_samples = num_samples
@@ -95,6 +108,18 @@ class GPTDataset:
             raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
         self.split_range = span  # the sequences [begin, end) this split draws from
         drop_last = split != "valid" or config.drop_last_partial_validation_sequence
+        documents = range(span[0], span[1])
+        try:
+            plan = plan_gpt_indices(
+                self.dataset.sequence_lengths,
+                documents,
+                config.seq_length,
+                num_samples,
+                config.add_extra_token,
+                drop_last,
+            )
+        except IndexBuildError as exc:
+            raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
         description = {
             "corpus": corpus_fingerprint(self.dataset),
             "split": split,
@@ -104,18 +129,22 @@ class GPTDataset:
             "num_samples": num_samples,
             "add_extra_token": config.add_extra_token,
             "drop_last_partial_sequence": drop_last,
+            # The arrays' dtypes are in the key: a set saved in other dtypes (an older hp's
+            # int64) is rebuilt, not loaded at twice the memory.
+            "dtypes": plan.dtypes,
         }
 
         def build() -> dict[str, np.ndarray]:
             try:
                 document, sample, shuffle = build_gpt_indices(
                     self.dataset.sequence_lengths,
-                    np.arange(span[0], span[1], dtype=np.int64),
+                    documents,
                     config.seq_length,
                     num_samples,
                     config.seed,
                     config.add_extra_token,
                     drop_last,
+                    plan,
                 )
             except IndexBuildError as exc:
                 raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
@@ -126,6 +155,9 @@ class GPTDataset:
             document, sample, shuffle = (
                 arrays[n] for n in ("document_index", "sample_index", "shuffle_index")
             )
+            found = {name: array.dtype.name for name, array in arrays.items()}
+            if found != plan.dtypes:
+                return f"dtypes {found}, expected {plan.dtypes}"
             documents = span[1] - span[0]
             if document.ndim != 1 or (len(document) % documents if documents else len(document)):
                 return f"document_index of {len(document)} is not whole epochs of {documents}"

@@ -1,10 +1,10 @@
 """The pure index functions behind GPTDataset and BlendableDataset: arrays in, arrays out.
 
-Each reproduces megatron-core 0.16 exactly (document, sample and shuffle indices from one
-`numpy.random.RandomState` used in Megatron's order; the blending rule of
-`helpers_cpp.build_blending_indices`) and returns int64 wherever a count can pass 2^31.
-The two loops (the sample index, a merge of documents and sample boundaries; the blending
-rule, sequential by nature) are compiled by numba on first use and cached, never at import.
+Each reproduces megatron-core 0.16 exactly, values and dtypes (document, sample and shuffle
+indices from one `numpy.random.RandomState` used in Megatron's order; the blending rule of
+`helpers_cpp.build_blending_indices`): int32/uint32 where the values fit, int64 past that.
+Everything is numpy except the blending rule, sequential by nature, which large blends run
+compiled by numba (on first use, cached on disk; never at import, never for small blends).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -117,19 +118,96 @@ def separate_final_epoch(
     return from_final < int(FINAL_EPOCH_THRESHOLD * per_epoch), before
 
 
+# -- dtypes ---------------------------------------------------------------------------------
+# The arrays are held and saved in megatron-core's dtypes: the narrow one wherever the values
+# fit. Values never depend on the dtype; readers take `.item()`/`int()` of them, and any
+# arithmetic that can pass 2^31 (flat token positions, offsets times itemsize) is done in
+# int64 or Python ints at the point where it happens.
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+UINT32_MAX = int(np.iinfo(np.uint32).max)
+
+
+def document_index_dtype(max_document: int) -> np.dtype:
+    """int32 (megatron-core's `astype(numpy.int32)`), or int64 when a document id passes
+    2^31 - 1, where megatron's cast would wrap it."""
+    return np.dtype(np.int32 if max_document <= INT32_MAX else np.int64)
+
+
+def sample_index_dtype(document_index_length: int, max_size: int) -> np.dtype:
+    """megatron-core's `helpers.build_sample_idx` choice between its int32 and int64 C++
+    variants: int32 when `max(len(document_index), sizes.max())` fits."""
+    return np.dtype(np.int32 if max(document_index_length, max_size) <= INT32_MAX else np.int64)
+
+
+def shuffle_index_dtype(total_size: int) -> np.dtype:
+    """megatron-core's `_build_shuffle_index`: uint32, int64 from `2**32 - 2` samples on."""
+    return np.dtype(np.uint32 if total_size < UINT32_MAX - 1 else np.int64)
+
+
+def _max_size(sizes: np.ndarray) -> int:
+    """An upper bound of `sizes.max()` that is exact enough for the dtype rule: a corpus's
+    int32 lengths fit by their dtype, with no pass over them."""
+    if np.can_cast(sizes.dtype, np.int32) or len(sizes) == 0:
+        return 0
+    return int(sizes.max())
+
+
 # -- the three GPT indices ------------------------------------------------------------------
+
+Documents = np.ndarray | range
+CHUNK = 1 << 15  # elements per pass of the chunked loops: a few arrays of it stay in L2
+
+
+def _as_documents(documents: Documents) -> np.ndarray | range:
+    """A unit-step range stays a range (no array of the split's ids is ever made)."""
+    if isinstance(documents, range) and documents.step == 1:
+        return documents
+    return np.asarray(documents)
+
+
+def _max_document(documents: np.ndarray | range) -> int:
+    if len(documents) == 0:
+        return 0
+    if isinstance(documents, range):
+        return documents[-1]
+    return int(documents.max())
+
+
+def _tokens_in(sizes: np.ndarray, documents: Documents) -> int:
+    """The tokens of `documents`, summed in int64 without a copy of their sizes."""
+    sizes, documents = np.asarray(sizes), _as_documents(documents)
+    if isinstance(documents, range):
+        return int(sizes[documents.start : documents.stop].sum(dtype=np.int64))
+    return sum(
+        int(np.take(sizes, documents[a : a + CHUNK]).sum(dtype=np.int64))
+        for a in range(0, len(documents), CHUNK)
+    )
 
 
 def build_document_index(
-    documents: np.ndarray,
+    documents: Documents,
     num_epochs: int,
     rng: np.random.RandomState,
     separate_final_epoch: bool,
 ) -> np.ndarray:
-    """`documents` repeated `num_epochs` times and shuffled (the last epoch apart when asked)."""
+    """`documents` repeated `num_epochs` times and shuffled (the last epoch apart when asked);
+    megatron-core's `_build_document_index`, int32 unless a document id needs int64."""
+    documents = _as_documents(documents)
     if not separate_final_epoch or num_epochs == 1:
-        document_index = np.tile(np.asarray(documents, dtype=np.int64), num_epochs)
-        rng.shuffle(document_index)
+        dtype = document_index_dtype(_max_document(documents))
+        # Filled in place: no int64 grid (megatron's mgrid) and no copy of `documents`.
+        document_index = np.empty(num_epochs * len(documents), dtype=dtype)
+        if isinstance(documents, range):
+            epoch = document_index[: len(documents)]
+            for first in range(0, len(epoch), CHUNK):
+                part = epoch[first : first + CHUNK]
+                part[:] = np.arange(len(part), dtype=dtype)
+                part += documents.start + first
+            document_index.reshape(num_epochs, len(documents))[1:] = epoch
+        else:
+            document_index.reshape(num_epochs, len(documents))[:] = documents
+        rng.shuffle(document_index)  # the same permutation whatever the dtype
         return document_index
     first = build_document_index(documents, num_epochs - 1, rng, False)
     last = build_document_index(documents, 1, rng, False)
@@ -162,85 +240,191 @@ def build_sample_index(
     drop_last_partial_sequence: bool = True,
     add_extra_token: int = 1,
 ) -> np.ndarray:
-    """The (samples + 1, 2) int64 index of (position in document_index, token offset) where
-    each sample starts; same arguments and numbers as megatron-core's `build_sample_idx`.
+    """The (samples + 1, 2) index of (position in document_index, token offset) where each
+    sample starts; same arguments, numbers and dtype (int32, or int64 when a position or a
+    size passes 2^31 - 1) as megatron-core's `helpers.build_sample_idx`.
 
     Sample k spans flat tokens [k L, (k+1) L + extra) of the documents laid end to end in
-    `document_index` order; its end is recorded in the document that holds its last token.
-    One merge-like pass over documents and samples (numba); numpy's cumsum + searchsorted
-    gives the same numbers but, in several passes, ran 3x slower than megatron's C++ loop.
+    `document_index` order; its end is recorded in the first document whose end reaches
+    k L + extra (so empty documents there are skipped), at offset k L - (that document's
+    start), which may equal the document's length when extra is 0. Computed with numpy
+    alone (a cumulative sum of the sizes and a search of the sample ends, chunk by chunk):
+    about as fast as megatron's C++ loop and with no compiler to load.
     """
     if seq_length <= 1 or num_epochs <= 0:
         raise IndexBuildError(
             f"need seq_length > 1 and num_epochs > 0 (got {seq_length}, {num_epochs})"
         )
+    sizes, document_index = np.asarray(sizes), np.asarray(document_index)
+    if not sizes.flags.owndata and len(document_index) * 2 > len(sizes):
+        # Dense random reads of a memory-mapped file run several times slower (4 KiB pages)
+        # than of a copy in memory: megatron copies here too.
+        sizes = sizes.copy()
     extra = int(add_extra_token)
     count = num_samples_in(
         num_epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra
     )
-    index = np.empty((count + 1, 2), dtype=np.int64)
-    index[0] = 0
-    _kernel(_sample_index_loop)(
-        np.asarray(sizes), np.asarray(document_index), seq_length, extra, count, index
+    if count and not len(document_index):
+        raise IndexBuildError(f"{tokens_per_epoch} tokens per epoch, but no documents")
+    index = np.empty(
+        (count + 1, 2), dtype=sample_index_dtype(len(document_index), _max_size(sizes))
     )
+    index[0] = 0
+    done = 0  # samples recorded so far: rows 1..done
+    start = 0  # flat position of the chunk's first token
+    for first in range(0, len(document_index), CHUNK):
+        if done == count:
+            break
+        # (int64 before the sum: numpy's cumsum casting as it goes is twice as slow)
+        lengths = np.take(sizes, document_index[first : first + CHUNK]).astype(np.int64)
+        ends = np.cumsum(lengths)
+        ends += start
+        end = int(ends[-1])
+        last = min((end - extra) // seq_length, count)  # the last sample ending here
+        if last > done:
+            # Sample k's last token is k L + extra - 1: it ends in the first document whose
+            # end reaches k L + extra, at offset k L - that document's start.
+            positions = np.arange(done + 1, last + 1, dtype=np.int64)
+            positions *= seq_length
+            inside = np.searchsorted(ends, positions + extra)
+            starts = np.subtract(ends, lengths, out=ends)
+            rows = index[done + 1 : last + 1]
+            rows[:, 1] = positions - starts[inside]
+            rows[:, 0] = inside + first
+            done = last
+        start = end
+    if done < count:
+        # A kept partial sample runs out of documents: megatron's end marker, the last
+        # document at its length minus extra (-1 for an empty one, as the C++ gives).
+        index[done + 1 :, 0] = len(document_index) - 1
+        index[done + 1 :, 1] = int(sizes[document_index[-1]]) - extra
     return index
 
 
 def build_shuffle_index(
     num_samples: int, total_size: int, rng: np.random.RandomState
 ) -> np.ndarray:
-    """`[0, num_samples)` shuffled, then `[num_samples, total_size)` shuffled apart (int64)."""
-    first = np.arange(num_samples, dtype=np.int64)
+    """`[0, num_samples)` shuffled, then `[num_samples, total_size)` shuffled apart: megatron's
+    `_build_shuffle_index`, uint32 unless `total_size` needs int64."""
+    dtype = shuffle_index_dtype(total_size)
+    first = np.arange(num_samples, dtype=dtype)
     rng.shuffle(first)
     if num_samples == total_size:
         return first
-    last = np.arange(num_samples, total_size, dtype=np.int64)
+    last = np.arange(num_samples, total_size, dtype=dtype)
     rng.shuffle(last)
     return np.concatenate((first, last))
 
 
+@dataclass(frozen=True)
+class GPTIndexPlan:
+    """What one split's indices will be, known before building them: epochs, sample count,
+    the final-epoch rule and each array's dtype (which the cache key records)."""
+
+    tokens_per_epoch: int
+    num_epochs: int
+    separate_final_epoch: bool
+    samples_before_final_epoch: int
+    num_samples: int
+    document_index_length: int
+    dtypes: dict[str, str]
+
+    def nbytes(self) -> int:
+        """The bytes of the three arrays."""
+        return (
+            self.document_index_length * np.dtype(self.dtypes["document_index"]).itemsize
+            + (self.num_samples + 1) * 2 * np.dtype(self.dtypes["sample_index"]).itemsize
+            + self.num_samples * np.dtype(self.dtypes["shuffle_index"]).itemsize
+        )
+
+
+def plan_gpt_indices(
+    sizes: np.ndarray,
+    documents: Documents,
+    seq_length: int,
+    num_samples: int | None,
+    add_extra_token: bool = True,
+    drop_last_partial_sequence: bool = True,
+) -> GPTIndexPlan:
+    """The plan of `build_gpt_indices` for these arguments: one pass over the split's sizes."""
+    extra = int(add_extra_token)
+    sizes, documents = np.asarray(sizes), _as_documents(documents)
+    tokens_per_epoch = _tokens_in(sizes, documents)
+    epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length, extra)
+    separate, before = separate_final_epoch(
+        epochs, tokens_per_epoch, num_samples, seq_length, extra
+    )
+    count = num_samples_in(epochs, tokens_per_epoch, seq_length, drop_last_partial_sequence, extra)
+    length = epochs * len(documents)
+    dtypes = {
+        "document_index": document_index_dtype(_max_document(documents)),
+        "sample_index": sample_index_dtype(length, _max_size(sizes)),
+        "shuffle_index": shuffle_index_dtype(count),
+    }
+    return GPTIndexPlan(
+        tokens_per_epoch,
+        epochs,
+        separate,
+        before,
+        count,
+        length,
+        {name: dtype.name for name, dtype in dtypes.items()},
+    )
+
+
 def build_gpt_indices(
     sizes: np.ndarray,
-    documents: np.ndarray,
+    documents: Documents,
     seq_length: int,
     num_samples: int | None,
     seed: int,
     add_extra_token: bool = True,
     drop_last_partial_sequence: bool = True,
+    plan: GPTIndexPlan | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Document, sample and shuffle indices of one GPTDataset split, in Megatron's order.
 
-    `sizes` are the sequence lengths of the corpus, `documents` the sequence ids of the split,
-    `num_samples` None for one epoch.
+    `sizes` are the sequence lengths of the corpus, `documents` the sequence ids of the split
+    (a `range` for a contiguous split: no array of them is made), `num_samples` None for one
+    epoch; `plan` is `plan_gpt_indices` of the same arguments, if already made.
     """
     extra = int(add_extra_token)
-    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
-    epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length, extra)
-    samples = epochs * tokens_per_epoch // seq_length + 1
+    if plan is None:
+        plan = plan_gpt_indices(
+            sizes, documents, seq_length, num_samples, add_extra_token, drop_last_partial_sequence
+        )
+    samples, epochs = num_samples or plan.num_samples, plan.num_epochs
     _require_memory(
-        epochs * len(documents) * 8 + samples * 24,
-        f"{num_samples or samples:,} samples ({epochs:,} epochs of {len(documents):,} documents)",
-    )
-    separate, before = separate_final_epoch(
-        epochs, tokens_per_epoch, num_samples, seq_length, extra
+        plan.nbytes(),
+        f"{samples:,} samples ({epochs:,} epochs of {len(documents):,} documents)",
     )
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, epochs, rng, separate)
+    document_index = build_document_index(
+        documents, plan.num_epochs, rng, plan.separate_final_epoch
+    )
     sample_index = build_sample_index(
         sizes,
         document_index,
         seq_length,
-        epochs,
-        tokens_per_epoch,
+        plan.num_epochs,
+        plan.tokens_per_epoch,
         drop_last_partial_sequence,
         extra,
     )
     total = len(sample_index) - 1
-    shuffle_index = build_shuffle_index(before if separate else total, total, rng)
+    cut = plan.samples_before_final_epoch if plan.separate_final_epoch else total
+    shuffle_index = build_shuffle_index(cut, total, rng)
     return document_index, sample_index, shuffle_index
 
 
 # -- blending -------------------------------------------------------------------------------
+
+# Below this many (samples x datasets) the rule runs as plain Python: faster than loading
+# numba (about 0.5 s in a fresh process), so small blends (the shipped example, tests) never
+# import it.
+PYTHON_BLEND_LIMIT = 1 << 18
+# megatron-core's: dataset ids fit int16 (at most 32766 datasets), sample ids may not fit int32.
+BLENDING_DTYPES = {"dataset_index": "int16", "dataset_sample_index": "int64"}
 
 _kernels: dict[Any, Any] = {}
 
@@ -252,27 +436,6 @@ def _kernel(function: Callable[..., None]) -> Callable[..., None]:
 
         _kernels[function] = numba.njit(cache=True, nogil=True)(function)
     return _kernels[function]
-
-
-def _sample_index_loop(sizes, document_index, seq_length, extra, count, out):  # pragma: no cover
-    k = 1
-    start = 0  # flat position of the current document's first token
-    for position in range(len(document_index)):
-        if k > count:
-            break
-        end = start + sizes[document_index[position]]
-        # Sample k ends here when its last token, k L + extra - 1, lies before `end`.
-        while k <= count and k * seq_length + extra <= end:
-            out[k, 0] = position
-            out[k, 1] = k * seq_length - start
-            k += 1
-        start = end
-    if k <= count:  # a kept partial sample runs out of documents: megatron's end marker
-        last = sizes[document_index[len(document_index) - 1]] - extra
-        while k <= count:
-            out[k, 0] = len(document_index) - 1
-            out[k, 1] = last
-            k += 1
 
 
 def _blend_loop(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover
@@ -292,21 +455,48 @@ def _blend_loop(weights, size, dataset_index, dataset_sample_index):  # pragma: 
         counts[best] += 1.0
 
 
+def _blend_python(
+    weights: list[float], size: int, dataset_index: np.ndarray, dataset_sample_index: np.ndarray
+) -> None:
+    """`_blend_loop` in plain Python (the same float64 operations, so the same choices)."""
+    counts = [0] * len(weights)
+    chosen, ids = [], []
+    for i in range(size):
+        scale = max(float(i), 1.0)
+        best = 0
+        best_error = weights[0] * scale - counts[0]
+        for k in range(1, len(weights)):
+            error = weights[k] * scale - counts[k]
+            if error > best_error:
+                best_error = error
+                best = k
+        chosen.append(best)
+        ids.append(counts[best])
+        counts[best] += 1
+    dataset_index[:] = chosen
+    dataset_sample_index[:] = ids
+
+
 def build_blending_indices(
     weights: Sequence[float] | np.ndarray, size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`(dataset_index int16, dataset_sample_index int64)` of `size` blended samples.
+    """`(dataset_index int16, dataset_sample_index int64)` of `size` blended samples, the
+    dtypes of megatron-core's `helpers.build_blending_indices` arrays.
 
     Megatron's largest-error rule: sample i goes to the first dataset with the largest
     `w_k * max(i, 1) - count_k`; per-dataset sample ids run 0, 1, 2, ... . The weights are used
-    as given (float64), as `helpers_cpp.build_blending_indices` uses them.
+    as given (float64), as `helpers_cpp.build_blending_indices` uses them. The rule is
+    sequential by nature: plain Python for small blends, numba (compiled once, cached on disk)
+    for large ones.
     """
     weights_array = np.ascontiguousarray(weights, dtype=np.float64)
     if weights_array.ndim != 1 or not 0 < len(weights_array) < 32767:
         raise IndexBuildError(f"need between 1 and 32766 weights, got {weights_array.shape}")
     _require_memory(size * 10, f"{size:,} blended samples")
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    if size:
+    dataset_index = np.zeros(size, dtype=BLENDING_DTYPES["dataset_index"])
+    dataset_sample_index = np.zeros(size, dtype=BLENDING_DTYPES["dataset_sample_index"])
+    if size * len(weights_array) <= PYTHON_BLEND_LIMIT:
+        _blend_python(weights_array.tolist(), size, dataset_index, dataset_sample_index)
+    elif size:
         _kernel(_blend_loop)(weights_array, size, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
