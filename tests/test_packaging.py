@@ -1,9 +1,10 @@
 """`uv build --all-packages` gives a wheel and an sdist per package, with the metadata and files a
-published package needs."""
+published package needs; the package READMEs (their PyPI pages) link only to absolute URLs."""
 
 from __future__ import annotations
 
 import email
+import re
 import shutil
 import subprocess
 import tarfile
@@ -151,3 +152,24 @@ def test_license_is_apache_2_and_each_package_ships_the_same_file():
         copy = REPO / "packages" / package / "LICENSE"
         assert not copy.is_symlink()
         assert copy.read_text() == text, f"{copy} differs from the root LICENSE"
+
+
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|<(https?://[^>]+)>")
+REPO_FILE_URL = re.compile(re.escape(REPO_URL) + r"/(?:blob|tree)/main/([^#?]+)")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_readme_links_are_absolute_and_point_at_files_that_exist(package):
+    # PyPI shows the README without the repository around it: a relative link is dead there.
+    readme = (REPO / "packages" / package / "README.md").read_text()
+    links = [a or b for a, b in MARKDOWN_LINK.findall(readme)]
+    assert links, "the README links to the documentation"
+    for link in links:
+        assert link.startswith("https://"), f"{package} README: {link} is not absolute"
+        if match := REPO_FILE_URL.match(link):
+            assert (REPO / match.group(1)).exists(), f"{package} README: {link} has no file"
+    # A repository path in the prose (`docs/format.md`) is a link a reader cannot follow; code
+    # blocks may name paths of the user's own (`--out data/web`).
+    text = MARKDOWN_LINK.sub("", re.sub(r"(?ms)^```.*?^```", "", readme))
+    stray = re.findall(r"(?<![\w/.-])(?:docs|examples|tools|packages)/[\w./-]+", text)
+    assert not stray, f"{package} README names repository paths without a link: {stray}"
