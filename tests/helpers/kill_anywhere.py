@@ -115,7 +115,7 @@ class Outputs:
 
 
 def _preprocess_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
-    from hp_data.preprocess import PreprocessOptions, preprocess
+    from hp_data.pipeline import PreprocessOptions, preprocess
 
     for name, count in (("a", 30), ("b", 40)):
         with open(root / f"{name}.jsonl", "w") as stream:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from hp_data.preprocess import PreprocessOptions, PreprocessSummary, preprocess
+from hp_data.pipeline import PreprocessOptions, PreprocessSummary, preprocess
 
 HP_DATA = str(Path(sys.executable).parent / "hp-data")
 
@@ -39,3 +40,13 @@ def cli_json(*args: str) -> dict:
 
 def read_bytes(prefix) -> tuple[bytes, bytes]:
     return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def documented_json_keys() -> dict[str, set[str]]:
+    """`{"hp-data inspect --json": {keys}}` from the tables of docs/cli.md."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    tables = {}
+    for heading, body in re.findall(r"^### `(hp-data [^`]+)`\n(.*?)(?=^#|\Z)", text, re.S | re.M):
+        rows = re.findall(r"^\| (`[^|]+) \|", body, re.M)
+        tables[heading] = {key for row in rows for key in re.findall(r"`(\w+)`", row)}
+    return tables

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from hp_data import PreprocessError
 from hp_data.on_ray import preprocess_on_ray
-from hp_data.preprocess import PreprocessOptions
+from hp_data.pipeline import PreprocessOptions
 
 from tests.helpers.corpus_files import english_records, write_jsonl, write_parquet
-from tests.helpers.run import read_bytes, run_preprocess
+from tests.helpers.run import documented_json_keys, read_bytes, run_preprocess
 
 ray = pytest.importorskip("ray")
 
@@ -54,6 +54,7 @@ def test_ray_tasks_merge_to_the_one_machine_bytes(cluster, tmp_path, corpus, exa
     run_preprocess(corpus, tmp_path / "one", example_tokenizer, **OPTIONS)
     report = _on_ray(corpus, tmp_path / "ray", example_tokenizer, tasks=5)
     assert report["tasks"] == 5 and report["duplicates_across_shards"] > 0
+    assert set(report) == documented_json_keys()["hp-data preprocess --ray --json"]
     assert read_bytes(tmp_path / "ray") == read_bytes(tmp_path / "one")
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -24,20 +26,77 @@ from hp_data.summary import format_report, summarize
 # machines' output is the one that waits for it).
 
 
+# The version of every command's --json output; the keys are listed in docs/cli.md.
+SCHEMA = 1
+_Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
 class _Group(click.Group):
-    """Turns hp-data's own errors and OS errors into one line on stderr and exit code 1."""
+    """Turns hp-data's own errors and OS errors into one line on stderr and exit code 1
+    (with --json, also the failure's JSON on stdout), and a closed stdout into a quiet exit."""
 
     def invoke(self, ctx: click.Context) -> Any:
         formatter, warnings.formatwarning = warnings.formatwarning, _one_line_warning
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():
+                return super().invoke(ctx)
+        except BrokenPipeError:
+            # `hp-data inspect --show 100 | head`: the reader has what it wanted. Point
+            # stdout at /dev/null so that the exit's flush cannot fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except HpDataError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise _failure(ctx, str(exc)) from None
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
-            raise click.ClickException(f"{where}{exc.strerror or exc}") from None
+            raise _failure(ctx, f"{where}{exc.strerror or exc}") from None
         finally:
             warnings.formatwarning = formatter
+
+
+def _failure(ctx: click.Context, message: str) -> click.ClickException:
+    if ctx.meta.get("hp_json"):
+        _emit({}, [message])
+    return click.ClickException(message)
+
+
+def _emit(payload: dict[str, Any], problems: Iterable[str] = ()) -> None:
+    """A command's --json output: one object, the same shape on success and failure."""
+    problems = list(problems)
+    body = {"schema": SCHEMA, "ok": not problems, "problems": problems, **payload}
+    click.echo(json.dumps(body))
+
+
+def _json_option(what: str) -> _Decorator:
+    """--json, remembered for the error handler (which then prints the failure as JSON)."""
+
+    def remember(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        ctx.meta["hp_json"] = value
+        return value
+
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        callback=remember,
+        is_eager=True,
+        help=f"Print {what} as one JSON object (keys: docs/cli.md).",
+    )
+
+
+def _quiet_option(
+    what: str = "progress bars",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--quiet: no {what}, notes or warnings on stderr; the result is still printed."""
+
+    def silence(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        if value:
+            warnings.simplefilter("ignore")
+        return value
+
+    return click.option(
+        "--quiet", is_flag=True, callback=silence, help=f"No {what}, notes or warnings."
+    )
 
 
 def _unit_bytes(units: int | None, unit_mb: float | None) -> int | None:
@@ -67,7 +126,8 @@ def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -
 @main.command()
 @click.argument("path")
 @click.option("--check", is_flag=True, help="Verify every invariant; exit 1 listing what is wrong.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@_json_option("the report")
+@_quiet_option("progress")
 @click.option(
     "--show",
     type=click.IntRange(min=0),
@@ -80,7 +140,13 @@ def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -
 )
 @click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
 def inspect(
-    path: str, check: bool, as_json: bool, show: int, tokenizer: str | None, multimodal: bool
+    path: str,
+    check: bool,
+    as_json: bool,
+    quiet: bool,
+    show: int,
+    tokenizer: str | None,
+    multimodal: bool,
 ) -> None:
     """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
     if show and not tokenizer:
@@ -89,7 +155,7 @@ def inspect(
         problems = dataset_problems(path, multimodal)
         if problems:
             if as_json:
-                click.echo(json.dumps({"ok": False, "problems": problems}))
+                _emit({"prefix": path}, problems)
             else:
                 click.echo(f"{len(problems)} problem(s):", err=True)
                 for problem in problems:
@@ -97,8 +163,6 @@ def inspect(
             sys.exit(1)
     with IndexedDataset(path, multimodal=multimodal) as dataset:
         report = summarize(dataset)
-        if check:
-            report["ok"] = True
         if show:
             from hp_data.tokenize import decode_ids, load_tokenizer
 
@@ -108,7 +172,7 @@ def inspect(
                 for d in range(min(show, dataset.num_documents))
             ]
     if as_json:
-        click.echo(json.dumps(report))
+        _emit(report)
         return
     click.echo(format_report(report))
     if check:
@@ -127,14 +191,20 @@ def inspect(
     help="Merge the finished shards of a preprocess run split with --num-shards into "
     "OUT_PREFIX (byte-identical to a one-machine run).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def merge(out_prefix: str, inputs: tuple[str, ...], shards: bool, quiet: bool) -> None:
+@_quiet_option()
+@_json_option("what was merged")
+def merge(
+    out_prefix: str, inputs: tuple[str, ...], shards: bool, quiet: bool, as_json: bool
+) -> None:
     """Concatenate datasets INPUTS (prefixes, globs or directories) into OUT_PREFIX, in order;
     or, with --shards, the shards of OUT_PREFIX."""
     if shards:
         if inputs:
             raise click.UsageError("--shards takes no INPUTS: it finds OUT_PREFIX.shard-*")
         merged = merge_shards(out_prefix, show_progress=not quiet)
+        if as_json:
+            _emit(merged)
+            return
         click.echo(
             f"merged {merged['shards']} shard(s) into "
             + ", ".join(f"{p}.bin/.idx" for p in merged["outputs"].values())
@@ -151,6 +221,17 @@ def merge(out_prefix: str, inputs: tuple[str, ...], shards: bool, quiet: bool) -
     prefixes = expand_prefixes(inputs)
     merge_datasets(out_prefix, prefixes, show_progress=not quiet)
     with IndexedDataset(out_prefix, validate=False) as merged:
+        if as_json:
+            _emit(
+                {
+                    "output": merged.path_prefix,
+                    "inputs": prefixes,
+                    "documents": merged.num_documents,
+                    "tokens": merged.num_tokens,
+                    "dtype": str(merged.dtype),
+                }
+            )
+            return
         click.echo(
             f"merged {len(prefixes)} dataset(s) into {merged.path_prefix}: "
             f"{merged.num_documents:,} documents, {merged.num_tokens:,} tokens, {merged.dtype}"
@@ -189,7 +270,8 @@ def _num_shards_option(text: str) -> Any:
 @_unit_mb_option
 @_num_shards_option("Also show which shard of this many takes each unit.")
 @click.option("--input-format", type=click.Choice(FORMATS), default=None, help="As for preprocess.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+@_json_option("the plan")
+@_quiet_option("progress")
 def plan_command(
     corpus: tuple[str, ...],
     units: int | None,
@@ -197,6 +279,7 @@ def plan_command(
     num_shards: int,
     input_format: str | None,
     as_json: bool,
+    quiet: bool,
 ) -> None:
     """Show how CORPUS is cut into work units (files, line-aligned byte ranges of JSONL,
     Parquet row groups) and which shard of --num-shards processes each, as preprocess will."""
@@ -204,7 +287,7 @@ def plan_command(
     planned = plan_units(found, _unit_bytes(units, unit_mb), units, num_shards)
     described = describe(planned, shard_groups(planned, num_shards))
     if as_json:
-        click.echo(json.dumps(described))
+        _emit(described)
         return
     for row in described["units"]:
         where = f" {row['kind']} {row['start']}-{row['end']}" if "start" in row else ""
@@ -366,8 +449,8 @@ def plan_command(
     help="Run the shards as tasks on a Ray cluster and merge them: --ray=auto (this machine's "
     "cluster), --ray=ADDRESS, or --ray alone for a local one (needs hp-data[ray]).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@_quiet_option()
+@_json_option("the summary")
 @click.option("--split-sentences", is_flag=True, hidden=True)
 @click.option("--partitions", type=int, default=None, hidden=True)
 @click.option("--log-interval", type=int, default=None, hidden=True)
@@ -414,7 +497,7 @@ def preprocess_command(
 
     Megatron's tools/preprocess_data.py flags work as they are: --input, --output-prefix,
     --tokenizer-type, --tokenizer-model, --vocab-file, --merge-file (docs/preprocess.md)."""
-    from hp_data.preprocess import PreprocessOptions, default_workers, format_summary, preprocess
+    from hp_data.pipeline import PreprocessOptions, default_workers, format_summary, preprocess
     from hp_data.tokenize import resolve_tokenizer
 
     corpus = corpus + inputs
@@ -428,7 +511,7 @@ def preprocess_command(
             "sentences; leave it out"
         )
     for name, value in ignored.items():
-        if value:
+        if value and not quiet:
             click.echo(
                 f"Note: --{name.replace('_', '-')} is Megatron's; hp-data ignores it", err=True
             )
@@ -467,7 +550,7 @@ def preprocess_command(
         address = None if ray_address == "local" else ray_address
         report = preprocess_on_ray(list(corpus), out_prefix, files, options, address)
         if as_json:
-            click.echo(json.dumps(report))
+            _emit(report)
         else:
             click.echo(
                 f"wrote {', '.join(f'{p}.bin/.idx' for p in report['outputs'].values())} from "
@@ -479,7 +562,7 @@ def preprocess_command(
         raise click.UsageError("--num-shards needs --shard-index (which shard this run is)")
     summary = preprocess(list(corpus), out_prefix, files, options)
     if as_json:
-        click.echo(json.dumps(summary.as_dict()))
+        _emit(summary.as_dict())
     else:
         click.echo(format_summary(summary))
 

@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from hp_data.errors import PreprocessError
+from hp_data.pipeline import PreprocessOptions, preprocess
 from hp_data.plan import plan_units, shard_groups
-from hp_data.preprocess import PreprocessOptions, preprocess
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
 from hp_data.shards import merge_shards

@@ -24,7 +24,7 @@ from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_data.index import SPLITS, parse_split
-from hp_data.preprocess import PreprocessOptions, default_workers, preprocess, refuse_reentry
+from hp_data.pipeline import PreprocessOptions, default_workers, preprocess, refuse_reentry
 from hp_data.readers import discover
 from hp_data.tokenize import TokenizerFiles
 
