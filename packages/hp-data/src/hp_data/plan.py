@@ -23,8 +23,9 @@ from typing import Any
 
 import xxhash
 
-from hp_data.errors import PreprocessError, open_input
+from hp_data.errors import PreprocessError
 from hp_data.readers import STDIN, Shard
+from hp_data.remote import is_url, open_corpus, open_url
 
 DEFAULT_UNIT_BYTES = 256 << 20
 MIN_UNIT_BYTES = 1 << 20
@@ -64,7 +65,7 @@ def plan_units(
 
 def _byte_ranges(shard: Shard, unit_bytes: int) -> list[Shard]:
     starts = [0]
-    with open_input(shard.path, PreprocessError, "a .jsonl file") as stream:
+    with open_corpus(shard.path, "a .jsonl file") as stream:
         for cut in range(unit_bytes, shard.size, unit_bytes):
             stream.seek(cut - 1)
             stream.readline()  # to the first line start at or after the cut
@@ -82,7 +83,8 @@ def _row_group_runs(shard: Shard, unit_bytes: int) -> list[Shard]:
 
     parquet = _require("pyarrow.parquet", "parquet")
     try:
-        metadata = parquet.ParquetFile(shard.path).metadata
+        source = open_url(shard.path) if is_url(shard.path) else shard.path
+        metadata = parquet.ParquetFile(source).metadata
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
     groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]

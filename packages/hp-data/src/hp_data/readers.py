@@ -25,7 +25,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from hp_data.errors import PreprocessError, open_input
+from hp_data.errors import PreprocessError
+from hp_data.remote import expand, identify, is_url, open_corpus, open_url, size_of
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -129,6 +130,9 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
         raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
     paths: list[str] = []
     for spec in specs:
+        if is_url(spec):
+            paths.extend(expand(spec, _suffix_format))
+            continue
         if glob.has_magic(spec) and not os.path.exists(spec):
             matches = sorted(glob.glob(spec))
             if not matches:
@@ -168,6 +172,15 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                 )
             # Never the same input twice: a stream cannot be resumed or identified.
             shards.append(Shard(path, fmt, 0, time.time_ns()))
+            continue
+        if is_url(path):
+            fmt = input_format or _suffix_format(path)
+            if fmt is None or fmt.startswith("hf"):
+                raise PreprocessError(
+                    f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
+                    "name its format with --input-format"
+                )
+            shards.append(Shard(path, fmt, *identify(path)))
             continue
         if os.path.isdir(path):
             if input_format == "hf":
@@ -241,8 +254,8 @@ def chunks(
 
 
 def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_input(shard.path, PreprocessError, "a .jsonl file") as stream:
-        size = os.fstat(stream.fileno()).st_size
+    with open_corpus(shard.path, "a .jsonl file") as stream:
+        size = size_of(stream)
         size = size if shard.end is None else min(shard.end, size)
         start = shard.start  # a part starts on a line start (plan.py)
         while start < size:
@@ -325,10 +338,10 @@ class _Counted:
 
 
 def _compressed_blocks(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_input(shard.path, PreprocessError, "a compressed .jsonl file") as raw:
+    with open_corpus(shard.path, "a compressed .jsonl file") as raw:
         yield from _stream_blocks(index, shard, chunk_bytes, raw, shard.size)
         if shard.format == "jsonl.zst":
-            problem = zstd_frames_problem(raw, os.fstat(raw.fileno()).st_size)
+            problem = zstd_frames_problem(raw, size_of(raw))
             if problem:
                 raise PreprocessError(f"{shard.path}: corrupt zstd data: {problem}")
 
@@ -379,8 +392,9 @@ def _require(module: str, extra: str) -> Any:
 
 def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chunk]:
     parquet = _require("pyarrow.parquet", "parquet")
+    source = open_url(shard.path) if is_url(shard.path) else shard.path
     try:
-        table = parquet.ParquetFile(shard.path)
+        table = parquet.ParquetFile(source)
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
     names = table.schema_arrow.names
@@ -484,7 +498,7 @@ def read_chunk(
     if chunk.blob is not None:
         data = chunk.blob
     else:
-        with open_input(chunk.path, PreprocessError, "a .jsonl file") as stream:
+        with open_corpus(chunk.path, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
     return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets)
@@ -625,7 +639,7 @@ def _lines_before(path: str, offset: int) -> int:
     if offset == 0:
         return 0
     count = 0
-    with open_input(path, PreprocessError, "a .jsonl file") as stream:
+    with open_corpus(path, "a .jsonl file") as stream:
         while offset > 0:
             block = stream.read(min(offset, 16 << 20))
             if not block:
