@@ -55,6 +55,7 @@ from hp_data.tokenize import (
     HFEngine,
     TokenizerFiles,
     choose_engine,
+    fast_recipe,
     frame_documents,
     vocab_size,
 )
@@ -118,8 +119,9 @@ def output_prefixes(
 
 @dataclass(frozen=True)
 class _WorkerSpec:
-    tokenizer_json: str
-    tokenizer_data: bytes | None  # the tokenizer.json text when no file holds it
+    # Small on purpose: a spawned worker that dies before reading all of its start-up data
+    # (a script re-run without a __main__ guard) would block the parent's write forever.
+    tokenizer: TokenizerFiles
     keys: tuple[str, ...]
     dtype: str
     bos: int | None
@@ -127,7 +129,7 @@ class _WorkerSpec:
     keep_empty: bool
     dedup: bool
     stop_at_invalid: bool
-    fast: FastBPE | None = None  # the tiktoken engine's recipe; None: tokenizers
+    fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
 
 
@@ -154,17 +156,16 @@ class _Result:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
+def _init_worker(spec: _WorkerSpec, tokenizer: Any = None, recipe: FastBPE | None = None) -> None:
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
 
     _worker["spec"] = spec
-    if tokenizer is None and spec.tokenizer_data is not None:
-        tokenizer = Tokenizer.from_str(spec.tokenizer_data.decode())
-    reference = HFEngine(tokenizer or Tokenizer.from_file(spec.tokenizer_json))
+    reference = HFEngine(tokenizer or spec.tokenizer.load())
     _worker["reference"] = reference
-    _worker["engine"] = spec.fast.engine() if spec.fast is not None else reference
+    _worker["engine"] = reference
+    if spec.fast:
+        _worker["engine"] = (recipe or fast_recipe(spec.tokenizer)).engine()
 
 
 def _encode(
@@ -349,13 +350,17 @@ def _config_hash(files: TokenizerFiles, spec: _WorkerSpec, options: PreprocessOp
 
 
 def _results(
-    work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
+    work: Iterator[Chunk],
+    spec: _WorkerSpec,
+    workers: int,
+    tokenizer: Any,
+    recipe: FastBPE | None = None,
 ) -> Iterator[_Result]:
     """Results of every chunk, in order; at most a few chunks in flight per worker. One
     worker runs here, with the main process's `tokenizer`. The fast engine is checked on
     the first documents of the first chunk, and on a sample of every chunk."""
     if workers <= 1:
-        _init_worker(spec, tokenizer)
+        _init_worker(spec, tokenizer, recipe)
         for number, chunk in enumerate(work):
             yield _work(chunk, number == 0)
         return
@@ -472,8 +477,7 @@ def preprocess(
         )
     fast, probes = choose_engine(files, tokenizer, options.tokenizer_engine)
     spec = _WorkerSpec(
-        tokenizer_json=files.tokenizer_json,
-        tokenizer_data=files.data,
+        tokenizer=files,
         keys=keys,
         dtype=str(dtype),
         bos=files.special_id(tokenizer, "bos", options.bos_token) if options.add_bos else None,
@@ -481,7 +485,7 @@ def preprocess(
         keep_empty=options.keep_empty,
         dedup=options.dedup == "exact",
         stop_at_invalid=not options.skip_invalid,
-        fast=fast,
+        fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
@@ -522,7 +526,7 @@ def preprocess(
                 i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet
             )
         )
-        with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
+        with contextlib.closing(_results(work, spec, options.workers, tokenizer, fast)) as results:
             for result in results:
                 run.take(result)
     except EngineMismatch as exc:

@@ -36,7 +36,7 @@ class TokenizerFiles:
     tokenizer_json: str  # the file, or what the model was built from (for messages)
     config: dict[str, object]
     config_path: str | None = None  # the tokenizer_config.json that `config` was read from
-    data: bytes | None = None  # the tokenizer.json text, when no file holds it
+    gpt2: tuple[str, str] | None = None  # vocab.json and merges.txt, when no tokenizer.json
     source: str = ""  # what the user named: a path, a hub name, vocab + merges
 
     @classmethod
@@ -70,11 +70,21 @@ class TokenizerFiles:
         """GPT-2's `vocab.json` + `merges.txt`, as Megatron's GPT2BPETokenizer reads them:
         byte-level BPE with GPT-2's regex; `<|endoftext|>` is the EOD token and, as in
         Megatron, text that spells it is tokenized as text."""
-        from tokenizers import decoders, models, pre_tokenizers
-
         for name in (vocab, merges):
             if not os.path.isfile(name):
                 raise PreprocessError(f"{name}: no such file")
+        files = cls(f"{vocab} + {merges}", {}, gpt2=(vocab, merges))
+        files.load()  # bad files fail here, named
+        return files
+
+    def read(self) -> bytes:
+        """The tokenizer.json text (built from vocab.json + merges.txt for GPT-2 files)."""
+        if self.gpt2 is None:
+            with open(self.tokenizer_json, "rb") as stream:
+                return stream.read()
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab, merges = self.gpt2
         try:
             model = models.BPE.from_file(vocab, merges)
         except Exception as exc:  # tokenizers raises plain Exception for bad files
@@ -83,14 +93,7 @@ class TokenizerFiles:
         tokenizer = Tokenizer(model)
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
-        return cls(f"{vocab} + {merges}", {}, data=tokenizer.to_str().encode())
-
-    def read(self) -> bytes:
-        """The tokenizer.json text."""
-        if self.data is not None:
-            return self.data
-        with open(self.tokenizer_json, "rb") as stream:
-            return stream.read()
+        return tokenizer.to_str().encode()
 
     def content_hash(self) -> str:
         """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
@@ -98,8 +101,8 @@ class TokenizerFiles:
 
     def load(self) -> Tokenizer:
         try:
-            if self.data is not None:
-                return Tokenizer.from_str(self.data.decode())
+            if self.gpt2 is not None:
+                return Tokenizer.from_str(self.read().decode())
             return Tokenizer.from_file(self.tokenizer_json)
         except Exception as exc:  # tokenizers raises plain Exception for bad JSON
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -281,7 +284,7 @@ def choose_engine(
         return None, 0
     source = files.tokenizer_json
     try:
-        recipe = FastBPE.from_description(orjson.loads(files.read()))
+        recipe = fast_recipe(files)
         engine = recipe.engine()
     except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
         # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
@@ -304,6 +307,11 @@ def choose_engine(
         warnings.warn(f"{message}; using tokenizers", stacklevel=2)
         return None, 0
     return recipe, len(probes)
+
+
+def fast_recipe(files: TokenizerFiles) -> FastBPE:
+    """The tiktoken engine's recipe for this tokenizer (raises NotConvertible)."""
+    return FastBPE.from_description(orjson.loads(files.read()))
 
 
 def encode_documents(
