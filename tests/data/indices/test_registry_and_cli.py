@@ -170,7 +170,7 @@ def test_build_index_cli_builds_then_hits_the_cache(tmp_path, prefix):
     ]
     first = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    report = json.loads(first.stdout)
+    report = json.loads(first.stdout)["splits"]
     assert set(report) == {"train", "valid", "test"}
     assert report["train"]["samples"] >= 3000 and report["valid"]["samples"] >= 50
     assert not report["train"]["cache_hit"]
@@ -179,12 +179,12 @@ def test_build_index_cli_builds_then_hits_the_cache(tmp_path, prefix):
         assert any(
             f.endswith("-GPTDataset-train-shuffle_index.npy") for f in report["train"]["files"]
         )
-    second = json.loads(subprocess.run(command, capture_output=True, text=True).stdout)
+    second = json.loads(subprocess.run(command, capture_output=True, text=True).stdout)["splits"]
     assert all(entry["cache_hit"] and entry["build_seconds"] == 0 for entry in second.values())
     # Without --num-samples, each split gets one epoch; the indices equal GPTDataset's.
     one_epoch = json.loads(
         subprocess.run(command[:8] + command[10:], capture_output=True, text=True).stdout
-    )
+    )["splits"]
     direct = GPTDataset(
         prefix, "train", None, GPTDatasetConfig(seq_length=64, seed=5, cache_dir=str(tmp_path))
     )

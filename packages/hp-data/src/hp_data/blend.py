@@ -22,7 +22,7 @@ from hp_data.cache import load_or_build
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
-from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.gpt import GPTDataset, GPTDatasetConfig, epoch_samples
 from hp_data.index import BLENDING_DTYPES, SPLITS, build_blending_indices, parse_split
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus
@@ -230,9 +230,15 @@ def build_split(
         return GPTDataset(prefixes[0], split, size, config)
     if weights is None:
         raise HpDataError("a blend of several prefixes needs weights: '0.3 /a 0.7 /b'")
-    if size is None:
-        raise HpDataError(f"a weighted blend needs a sample count for the {split} split")
     normalized = normalize(weights)
+    if size is None:
+        # One epoch of the dataset that its weight exhausts first: the largest blend that
+        # repeats no dataset (megatron-core asks for a count instead).
+        size = min(
+            int(epoch_samples(prefix, split, config) / weight)
+            for prefix, weight in zip(prefixes, normalized, strict=True)
+            if weight > 0
+        )
     targets = sizes_per_dataset(normalized, size)
     buffered = sizes_per_dataset(normalized, size, SURPLUS)
     datasets = [

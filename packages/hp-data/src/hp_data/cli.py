@@ -577,9 +577,11 @@ def preprocess_command(
 )
 @click.option(
     "--seq-len",
+    "--seq-length",
+    "seq_len",
     type=click.IntRange(min=2, max=MAX_SEQ_LENGTH),
     required=True,
-    help="Sequence length L.",
+    help="Sequence length L (Megatron's --seq-length).",
 )
 @click.option(
     "--seed",
@@ -591,7 +593,23 @@ def preprocess_command(
 @click.option(
     "--num-samples",
     default=None,
-    help="Samples for train[,valid[,test]] [default: one epoch of each split].",
+    help="Samples for train[,valid[,test]] [default: one epoch of each split; for a weighted "
+    "blend, one epoch of the dataset its weight uses up first].",
+)
+@click.option(
+    "--train-samples", type=click.IntRange(min=0), default=None, help="Megatron's sizes: see below."
+)
+@click.option("--train-iters", type=click.IntRange(min=0), default=None, help="Megatron's.")
+@click.option("--global-batch-size", type=click.IntRange(min=1), default=None, help="Megatron's.")
+@click.option(
+    "--eval-iters", type=click.IntRange(min=0), default=100, show_default=True, help="Megatron's."
+)
+@click.option(
+    "--eval-interval",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Megatron's.",
 )
 @click.option(
     "--split", default="969,30,1", show_default=True, help="Train, valid and test shares."
@@ -606,20 +624,37 @@ def preprocess_command(
     is_flag=True,
     help="Keep the valid split's last partial sample (padded).",
 )
-@click.option("--cache-dir", required=True, help="Where the index arrays are written.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option(
+    "--cache-dir",
+    "--data-cache-path",
+    "cache_dir",
+    required=True,
+    help="Where the index arrays are written (Megatron's --data-cache-path).",
+)
+@_json_option("the report")
+@_quiet_option("progress")
 def build_index(
     data_path: tuple[str, ...],
     seq_len: int,
     seed: int,
     num_samples: str | None,
+    train_samples: int | None,
+    train_iters: int | None,
+    global_batch_size: int | None,
+    eval_iters: int,
+    eval_interval: int,
     split: str,
     no_extra_token: bool,
     keep_last_partial_validation: bool,
     cache_dir: str,
     as_json: bool,
+    quiet: bool,
 ) -> None:
-    """Build (or find in the cache) the GPT and blend indices of every split ahead of a run."""
+    """Build (or find in the cache) the GPT and blend indices of every split ahead of a run.
+
+    Sizes as Megatron computes them from --train-samples or --train-iters with
+    --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
+    eval interval + 1) x eval iters x batch, test = eval iters x batch."""
     counts: list[int | None] = [None, None, None]
     if num_samples:
         try:
@@ -631,6 +666,14 @@ def build_index(
                 f"--num-samples {num_samples!r}: give N or N,NV,NT, each 0 or more"
             )
         counts[: len(values)] = values
+    if train_samples is not None or train_iters is not None:
+        if num_samples or (train_samples is not None and train_iters is not None):
+            raise click.UsageError("give one of --num-samples, --train-samples, --train-iters")
+        if global_batch_size is None:
+            raise click.UsageError("--train-samples and --train-iters need --global-batch-size")
+        counts = megatron_sample_counts(
+            train_samples, train_iters, global_batch_size, eval_iters, eval_interval
+        )
     config = GPTDatasetConfig(
         seq_length=seq_len,
         seed=seed,
@@ -643,13 +686,30 @@ def build_index(
 
     report = build_report(build_datasets(" ".join(data_path), config, counts))
     if as_json:
-        click.echo(json.dumps(report))
+        _emit({"splits": report})
         return
     for name, entry in report.items():
         state = "cached" if entry["cache_hit"] else f"built in {entry['build_seconds']:.3f} s"
         click.echo(f"{name}: {entry['samples']:,} samples, {state}")
         for file in entry["files"]:
             click.echo(f"  {file}")
+
+
+def megatron_sample_counts(
+    train_samples: int | None,
+    train_iters: int | None,
+    global_batch_size: int,
+    eval_iters: int = 100,
+    eval_interval: int = 1000,
+) -> list[int | None]:
+    """Train, valid and test sample counts as Megatron-LM's training.py computes them
+    (`get_train_valid_test_num_samples`, without batch-size ramp-up)."""
+    if train_samples is not None:
+        train_iters = train_samples // global_batch_size
+    else:
+        train_samples = (train_iters or 0) * global_batch_size
+    evaluations = ((train_iters or 0) // eval_interval + 1) * eval_iters
+    return [train_samples, evaluations * global_batch_size, eval_iters * global_batch_size]
 
 
 if __name__ == "__main__":

@@ -73,6 +73,36 @@ def _hash_array(array: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
+def _split_plan(
+    dataset: IndexedDataset, split: str, num_samples: int | None, config: GPTDatasetConfig
+) -> tuple[tuple[int, int], bool, Any]:
+    """The sequences `[begin, end)` of `split`, whether its last partial sample is dropped,
+    and the plan (sizes, epochs, dtypes) of its indices."""
+    span = split_ranges(len(dataset), parse_split(config.split))[SPLITS.index(split)]
+    if span is None:
+        raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
+    drop_last = split != "valid" or config.drop_last_partial_validation_sequence
+    try:
+        plan = plan_gpt_indices(
+            dataset.sequence_lengths,
+            range(span[0], span[1]),
+            config.seq_length,
+            num_samples,
+            config.add_extra_token,
+            drop_last,
+        )
+    except IndexBuildError as exc:
+        raise HpDataError(f"{dataset.path_prefix}: {split} split: {exc}") from None
+    return span, drop_last, plan
+
+
+def epoch_samples(prefix: str, split: str, config: GPTDatasetConfig) -> int:
+    """Samples in one epoch of `split` of the dataset at `prefix`: the length of a
+    GPTDataset built with `num_samples=None`, without building its indices."""
+    with IndexedDataset(prefix, validate=False) as dataset:
+        return _split_plan(dataset, split, None, config)[2].num_samples
+
+
 class GPTDataset:
     """Fixed-length samples of `config.seq_length` tokens drawn from one split of a corpus.
 
@@ -102,24 +132,9 @@ class GPTDataset:
         self.split = split
         self.config = config
         self.num_samples = num_samples
-        ranges = split_ranges(len(self.dataset), parse_split(config.split))
-        span = ranges[SPLITS.index(split)]
-        if span is None:
-            raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
+        span, drop_last, plan = _split_plan(self.dataset, split, num_samples, config)
         self.split_range = span  # the sequences [begin, end) this split draws from
-        drop_last = split != "valid" or config.drop_last_partial_validation_sequence
         documents = range(span[0], span[1])
-        try:
-            plan = plan_gpt_indices(
-                self.dataset.sequence_lengths,
-                documents,
-                config.seq_length,
-                num_samples,
-                config.add_extra_token,
-                drop_last,
-            )
-        except IndexBuildError as exc:
-            raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
         description = {
             "corpus": corpus_fingerprint(self.dataset),
             "split": split,

@@ -1,0 +1,70 @@
+"""build-index takes a Megatron user's sizes (--train-iters, --global-batch-size, ...) and, for
+a weighted blend without a count, one epoch of the dataset its weight uses up first."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hp_data.blend import build_datasets
+from hp_data.cli import main, megatron_sample_counts
+from hp_data.gpt import GPTDatasetConfig
+
+from tests.helpers.corpus import random_corpus, write_with_hp
+from tests.helpers.megatron import build_megatron
+
+
+@pytest.fixture(scope="module")
+def prefixes(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("sizes")
+    out = []
+    for seed in (3, 4):
+        corpus = random_corpus(seed, max_documents=60, max_length=200)
+        write_with_hp(str(root / f"d{seed}"), corpus)
+        out.append(str(root / f"d{seed}"))
+    return out
+
+
+def test_megatron_sizes_by_hand():
+    # Megatron-LM's training.py: train = iters x batch; valid = (iters // interval + 1) x
+    # eval iters x batch; test = eval iters x batch; --train-samples sets iters = samples // batch.
+    assert megatron_sample_counts(None, 2000, 8, 10, 500) == [16000, 400, 80]
+    assert megatron_sample_counts(1003, None, 10, 5, 40) == [1003, 150, 50]
+    assert megatron_sample_counts(None, 0, 4) == [0, 400, 400]
+
+
+def test_build_index_with_megatrons_flags_equals_megatron(tmp_path, prefixes):
+    args = ["build-index", "--data-path", prefixes[0], "--seq-length", "16", "--seed", "7"]
+    args += ["--split", "80,15,5"]
+    args += ["--data-cache-path", str(tmp_path / "hp"), "--train-iters", "40"]
+    args += ["--global-batch-size", "4", "--eval-iters", "2", "--eval-interval", "10", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    splits = json.loads(result.stdout)["splits"]
+    sizes = [160, (40 // 10 + 1) * 2 * 4, 2 * 4]
+    megatron = build_megatron(
+        sizes, 16, 7, blend=([prefixes[0]], None), split="80,15,5", cache=str(tmp_path / "m")
+    )
+    for name, dataset in zip(("train", "valid", "test"), megatron, strict=True):
+        assert splits[name]["samples"] == len(dataset), name
+
+
+def test_a_weighted_blend_without_a_count_takes_the_epoch_its_weight_uses_up_first(
+    tmp_path, prefixes
+):
+    weights = [0.25, 0.75]
+    config = GPTDatasetConfig(seq_length=16, seed=1, split="1,0,0", cache_dir=str(tmp_path))
+    spec = f"{weights[0]} {prefixes[0]} {weights[1]} {prefixes[1]}"
+    train = build_datasets(spec, config)[0]
+    # One epoch of each, as megatron-core counts it (num_samples None).
+    epochs = [
+        len(build_megatron([None, None, None], 16, 1, blend=([p], None), split="1,0,0")[0])
+        for p in prefixes
+    ]
+    expected = min(int(epoch / weight) for epoch, weight in zip(epochs, weights, strict=True))
+    assert len(train) == expected
+    # No dataset is drawn past its one epoch by much (megatron's 0.5% surplus aside).
+    drawn = np.bincount(np.asarray(train.dataset_index), minlength=2)
+    assert all(d <= np.ceil(e * 1.005) for d, e in zip(drawn, epochs, strict=True))
