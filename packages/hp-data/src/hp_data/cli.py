@@ -331,10 +331,19 @@ def plan_command(
 )
 @click.option(
     "--tokenizer-type",
-    type=click.Choice(["HuggingFaceTokenizer", "GPT2BPETokenizer"], case_sensitive=False),
+    type=click.Choice(
+        [
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+        ],
+        case_sensitive=False,
+    ),
     default=None,
-    help="Megatron's tokenizer type: HuggingFaceTokenizer (with --tokenizer-model) or "
-    "GPT2BPETokenizer (with --vocab-file and --merge-file).",
+    help="Megatron's tokenizer type: HuggingFaceTokenizer (with --tokenizer-model), "
+    "GPT2BPETokenizer (with --vocab-file and --merge-file), GPTSentencePieceTokenizer or "
+    "Llama2Tokenizer (with --tokenizer-model m.model; needs hp-data[sentencepiece]).",
 )
 @click.option("--vocab-file", default=None, help="GPT-2 BPE vocab.json (with --merge-file).")
 @click.option("--merge-file", default=None, help="GPT-2 BPE merges.txt (with --vocab-file).")

@@ -52,11 +52,11 @@ from hp_data.readers import (
 )
 from hp_data.shards import ShardTask
 from hp_data.tokenize import (
-    HFEngine,
     TokenizerFiles,
     choose_engine,
     fast_recipe,
     frame_documents,
+    reference_engine,
     vocab_size,
 )
 
@@ -161,7 +161,7 @@ def _init_worker(spec: _WorkerSpec, tokenizer: Any = None, recipe: FastBPE | Non
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _worker["spec"] = spec
-    reference = HFEngine(tokenizer or spec.tokenizer.load())
+    reference = reference_engine(tokenizer or spec.tokenizer.load())
     _worker["reference"] = reference
     _worker["engine"] = reference
     if spec.fast:
@@ -415,7 +415,7 @@ class PreprocessSummary:
     input_bytes: int
     seconds: float
     dedup_hash_set_bytes: int | None = None
-    engine: str = "hf"  # the tokenizer engine that ran: hf (tokenizers) or tiktoken
+    engine: str = "hf"  # the engine that ran: hf (tokenizers), tiktoken or sentencepiece
     probe_texts: int = 0  # texts the fast engine was checked on before the run
     verified_documents: int = 0  # and documents during it
     tokenizer: dict[str, str] | None = None  # what was named, the file used, its xxh3-128
@@ -516,6 +516,7 @@ def preprocess(
     )
     run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
     run.probes = probes if fast is not None else None
+    run.engine = "tiktoken" if fast is not None else reference_engine(tokenizer).name
     try:
         cache = os.path.join(workdir.path, "hf-cache")
         quiet = not options.show_progress
@@ -596,6 +597,7 @@ class _Run:
         self.documents = 0
         self.tokens = 0
         self.probes: int | None = None  # probe texts the fast engine passed; None: not used
+        self.engine = "hf"  # the name of the engine that runs
 
     def _open(self, index: int) -> None:
         self.current = index
@@ -710,7 +712,7 @@ def _summarize(
         input_bytes=run.input_bytes,
         seconds=round(time.perf_counter() - started, 3),
         dedup_hash_set_bytes=seen.nbytes if seen is not None else None,
-        engine="hf" if run.probes is None else "tiktoken",
+        engine=run.engine,
         probe_texts=run.probes or 0,
         verified_documents=sum(s.verified for s in stats),
     )

@@ -37,6 +37,7 @@ class TokenizerFiles:
     config: dict[str, object]
     config_path: str | None = None  # the tokenizer_config.json that `config` was read from
     gpt2: tuple[str, str] | None = None  # vocab.json and merges.txt, when no tokenizer.json
+    sentencepiece: bool = False  # tokenizer_json is a SentencePiece .model
     source: str = ""  # what the user named: a path, a hub name, vocab + merges
 
     @classmethod
@@ -56,8 +57,13 @@ class TokenizerFiles:
             if not os.path.isfile(file) and os.path.isfile(vocab) and os.path.isfile(merges):
                 files = cls.from_gpt2_files(vocab, merges)
                 return replace(files, **_config(config_path), source=source)
+            model = os.path.join(path, "tokenizer.model")
+            if not os.path.isfile(file) and os.path.isfile(model):
+                return cls(model, **_config(config_path), source=source, sentencepiece=True)
         else:
             file, config_path = path, None
+            if file.endswith(".model") and os.path.isfile(file):
+                return cls(file, {}, source=source, sentencepiece=True)
         if not os.path.isfile(file):
             raise PreprocessError(
                 f"{file}: no such tokenizer file; pass a tokenizer.json, a directory with one, "
@@ -100,6 +106,9 @@ class TokenizerFiles:
         return xxhash.xxh3_128_hexdigest(self.read())
 
     def load(self) -> Tokenizer:
+        """The tokenizer (a `SentencePieceModel` for a .model, with the same methods)."""
+        if self.sentencepiece:
+            return SentencePieceModel(self.tokenizer_json)  # type: ignore[return-value]
         try:
             if self.gpt2 is not None:
                 return Tokenizer.from_str(self.read().decode())
@@ -114,6 +123,8 @@ class TokenizerFiles:
         """The id of the end (`role="eos"`) or start (`"bos"`) token: `token` if given, else
         the config's `{role}_token`, else the first known candidate in the vocabulary."""
         option = "--eod-token" if role == "eos" else "--bos-token"
+        if isinstance(tokenizer, SentencePieceModel) and token is None:
+            return tokenizer.special(role)  # as Megatron's SentencePiece tokenizers take it
         if token is not None:
             found = tokenizer.token_to_id(token)
             if found is None:
@@ -185,6 +196,8 @@ def _config(path: str | None) -> dict[str, Any]:
 MEGATRON_TOKENIZER_TYPES = {
     "HuggingFaceTokenizer": "--tokenizer-model (a hub name or a directory)",
     "GPT2BPETokenizer": "--vocab-file and --merge-file",
+    "GPTSentencePieceTokenizer": "--tokenizer-model (a SentencePiece .model)",
+    "Llama2Tokenizer": "--tokenizer-model (a SentencePiece .model)",
 }
 
 
@@ -213,7 +226,15 @@ def resolve_tokenizer(
             "name the tokenizer: --tokenizer (a tokenizer.json, a directory or a hub name), "
             "or --vocab-file and --merge-file"
         )
-    return TokenizerFiles.locate(tokenizer, allow_download)
+    files = TokenizerFiles.locate(tokenizer, allow_download)
+    if tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer") and not (
+        files.sentencepiece
+    ):
+        raise PreprocessError(
+            f"--tokenizer-type {tokenizer_type} reads a SentencePiece .model; "
+            f"{files.tokenizer_json} is not one"
+        )
+    return files
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -311,7 +332,80 @@ def choose_engine(
 
 def fast_recipe(files: TokenizerFiles) -> FastBPE:
     """The tiktoken engine's recipe for this tokenizer (raises NotConvertible)."""
+    if files.sentencepiece:
+        raise NotConvertible("it is a SentencePiece model")
     return FastBPE.from_description(orjson.loads(files.read()))
+
+
+class SentencePieceModel:
+    """A SentencePiece .model behind the part of `tokenizers.Tokenizer` hp uses. Text is
+    encoded with `encode_as_ids`, as Megatron's GPTSentencePieceTokenizer and
+    Llama2Tokenizer do; EOD and BOS are the model's eos and bos ids."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            import sentencepiece
+        except ImportError:
+            raise PreprocessError(
+                f"{path}: a SentencePiece model needs sentencepiece: "
+                "pip install 'hp-data[sentencepiece]'"
+            ) from None
+        self.path = path
+        try:
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PreprocessError(f"{path}: not a SentencePiece model: {reason}") from None
+
+    def __getstate__(self) -> dict[str, str]:  # sent to workers as its path
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self.processor.get_piece_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        found = self.processor.piece_to_id(token)
+        return found if self.processor.id_to_piece(found) == token else None
+
+    def special(self, role: str) -> int:
+        found = self.processor.eos_id() if role == "eos" else self.processor.bos_id()
+        if found < 0:
+            option = "--eod-token" if role == "eos" else "--bos-token"
+            raise PreprocessError(
+                f"{self.path}: the model has no {role} piece; name one with {option}"
+            )
+        return found
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        return {}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.processor.decode(ids)
+
+
+class SentencePieceEngine:
+    """SentencePiece's own batch encoder, on one thread."""
+
+    name = "sentencepiece"
+
+    def __init__(self, model: SentencePieceModel) -> None:
+        self.processor = model.processor
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.processor.encode(list(texts), out_type=int, num_threads=1)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        count = int(lengths.sum())
+        return np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=count), lengths
+
+
+def reference_engine(tokenizer: Tokenizer | SentencePieceModel) -> Engine:
+    """The tokenizer's own encoder: what every other engine is held to."""
+    if isinstance(tokenizer, SentencePieceModel):
+        return SentencePieceEngine(tokenizer)
+    return HFEngine(tokenizer)
 
 
 def encode_documents(
