@@ -9,9 +9,11 @@ compiled by numba (on first use, cached on disk; never at import, never for smal
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -498,5 +500,21 @@ def build_blending_indices(
     if size * len(weights_array) <= PYTHON_BLEND_LIMIT:
         _blend_python(weights_array.tolist(), size, dataset_index, dataset_sample_index)
     elif size:
+        if _blend_loop not in _kernels:
+            # The first large blend of a process: numba loads its cached code (about 0.5 s,
+            # mostly holding the GIL) while this thread faults in the output pages (about as
+            # long; numpy's fill lets go of the GIL), instead of one after the other.
+            loader = threading.Thread(target=_load_blend_kernel)
+            loader.start()
+            dataset_index.fill(0)
+            dataset_sample_index.fill(0)
+            loader.join()
         _kernel(_blend_loop)(weights_array, size, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
+
+
+def _load_blend_kernel() -> None:
+    """Import numba and load `_blend_loop`'s compiled code for the argument types it gets."""
+    # A failure here (no numba) is raised again by the caller's own call, after the join.
+    with contextlib.suppress(Exception):
+        _kernel(_blend_loop)(np.zeros(1), 1, np.zeros(1, np.int16), np.zeros(1, np.int64))
