@@ -123,12 +123,8 @@ class GPTDataset:
             raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
         if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
             raise HpDataError("eod_mask_loss and reset_position_ids need config.eod_token")
-        if isinstance(dataset, IndexedDataset):
-            self.dataset = dataset
-        else:
-            self.dataset = IndexedDataset(dataset)
-            # Checking it on open walked the whole index; only the lengths are needed here.
-            drop_pages(self.dataset.sequence_lengths)
+        opened = not isinstance(dataset, IndexedDataset)
+        self.dataset = IndexedDataset(dataset) if opened else dataset
         self.split = split
         self.config = config
         self.num_samples = num_samples
@@ -148,6 +144,11 @@ class GPTDataset:
             # int64) is rebuilt, not loaded at twice the memory.
             "dtypes": plan.dtypes,
         }
+        if opened:
+            # Checking it on open walked the whole index (all of it resident now); the key
+            # read the lengths. Give the pages back before building: a build needs only
+            # the lengths, and a cache hit nothing.
+            drop_pages(self.dataset.sequence_lengths)
 
         def build() -> dict[str, np.ndarray]:
             try:
