@@ -84,19 +84,11 @@ def _json_option(what: str) -> _Decorator:
     )
 
 
-def _quiet_option(
-    what: str = "progress bars",
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """--quiet: no {what}, notes or warnings on stderr; the result is still printed."""
+def _quiet_option(what: str = "progress bars") -> _Decorator:
+    """--quiet: no {what} or notes on stderr. Warnings still print (one line each): they are
+    about the result."""
 
-    def silence(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
-        if value:
-            warnings.simplefilter("ignore")
-        return value
-
-    return click.option(
-        "--quiet", is_flag=True, callback=silence, help=f"No {what}, notes or warnings."
-    )
+    return click.option("--quiet", is_flag=True, help=f"No {what} or notes; warnings still show.")
 
 
 def _unit_bytes(units: int | None, unit_mb: float | None) -> int | None:
