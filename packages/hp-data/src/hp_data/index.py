@@ -440,9 +440,11 @@ def _kernel(function: Callable[..., None]) -> Callable[..., None]:
     return _kernels[function]
 
 
-def _blend_loop(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover
-    # Counts kept as float64 (exact below 2^53) spare a conversion per comparison.
-    counts = np.zeros(len(weights), dtype=np.float64)
+def _blend_loop(weights, size, counts, dataset_index, dataset_sample_index):  # pragma: no cover
+    """Megatron's largest-error rule, once for both paths: numba compiles it over arrays for
+    large blends; small ones run it as plain Python over lists, which is faster than numpy
+    scalars. `counts` starts at zero, one per dataset, as float64 (exact below 2^53), which
+    spares a conversion per comparison."""
     for i in range(size):
         scale = max(float(i), 1.0)
         best = 0
@@ -453,30 +455,8 @@ def _blend_loop(weights, size, dataset_index, dataset_sample_index):  # pragma: 
                 best_error = error
                 best = k
         dataset_index[i] = best
-        dataset_sample_index[i] = np.int64(counts[best])
+        dataset_sample_index[i] = int(counts[best])
         counts[best] += 1.0
-
-
-def _blend_python(
-    weights: list[float], size: int, dataset_index: np.ndarray, dataset_sample_index: np.ndarray
-) -> None:
-    """`_blend_loop` in plain Python (the same float64 operations, so the same choices)."""
-    counts = [0] * len(weights)
-    chosen, ids = [], []
-    for i in range(size):
-        scale = max(float(i), 1.0)
-        best = 0
-        best_error = weights[0] * scale - counts[0]
-        for k in range(1, len(weights)):
-            error = weights[k] * scale - counts[k]
-            if error > best_error:
-                best_error = error
-                best = k
-        chosen.append(best)
-        ids.append(counts[best])
-        counts[best] += 1
-    dataset_index[:] = chosen
-    dataset_sample_index[:] = ids
 
 
 def build_blending_indices(
@@ -498,7 +478,11 @@ def build_blending_indices(
     dataset_index = np.zeros(size, dtype=BLENDING_DTYPES["dataset_index"])
     dataset_sample_index = np.zeros(size, dtype=BLENDING_DTYPES["dataset_sample_index"])
     if size * len(weights_array) <= PYTHON_BLEND_LIMIT:
-        _blend_python(weights_array.tolist(), size, dataset_index, dataset_sample_index)
+        chosen, ids = [0] * size, [0] * size
+        weights_list = weights_array.tolist()
+        _blend_loop(weights_list, size, [0.0] * len(weights_list), chosen, ids)
+        dataset_index[:] = chosen
+        dataset_sample_index[:] = ids
     elif size:
         if _blend_loop not in _kernels:
             # The first large blend of a process: numba loads its cached code (about 0.5 s,
@@ -509,7 +493,8 @@ def build_blending_indices(
             dataset_index.fill(0)
             dataset_sample_index.fill(0)
             loader.join()
-        _kernel(_blend_loop)(weights_array, size, dataset_index, dataset_sample_index)
+        counts = np.zeros(len(weights_array), dtype=np.float64)
+        _kernel(_blend_loop)(weights_array, size, counts, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
 
 
@@ -517,4 +502,6 @@ def _load_blend_kernel() -> None:
     """Import numba and load `_blend_loop`'s compiled code for the argument types it gets."""
     # A failure here (no numba) is raised again by the caller's own call, after the join.
     with contextlib.suppress(Exception):
-        _kernel(_blend_loop)(np.zeros(1), 1, np.zeros(1, np.int16), np.zeros(1, np.int64))
+        _kernel(_blend_loop)(
+            np.zeros(1), 1, np.zeros(1), np.zeros(1, np.int16), np.zeros(1, np.int64)
+        )
