@@ -332,10 +332,10 @@ class _WorkDir:
         self._lock.close()
 
 
-def _config_hash(files: TokenizerFiles, spec: _WorkerSpec, options: PreprocessOptions) -> str:
+def _config_hash(tokenizer_hash: str, spec: _WorkerSpec, options: PreprocessOptions) -> str:
     """Everything besides the inputs that changes the output; a mismatch starts over."""
     described = {
-        "tokenizer": files.content_hash(),
+        "tokenizer": tokenizer_hash,
         "keys": spec.keys,
         "dtype": spec.dtype,
         "bos": spec.bos,
@@ -489,7 +489,8 @@ def preprocess(
         verify_every=1 if options.verify else VERIFY_EVERY,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
-    config = _config_hash(files, spec, options)
+    tokenizer_hash = files.content_hash()  # read once: the config key and the summary
+    config = _config_hash(tokenizer_hash, spec, options)
     task = None
     shards = units
     if sharded:
@@ -564,7 +565,7 @@ def preprocess(
     summary.tokenizer = {
         "source": files.source or files.tokenizer_json,
         "path": files.tokenizer_json,
-        "xxh3_128": files.content_hash(),
+        "xxh3_128": tokenizer_hash,
     }
     if task is not None:  # the shard's hashes and manifest, after its datasets
         hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
