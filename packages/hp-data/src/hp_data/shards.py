@@ -30,6 +30,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.format.metadata import shared_metadata
 from hp_data.format.reader import IndexedDataset
 from hp_data.plan import fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
@@ -211,7 +212,12 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
     total = sum(os.path.getsize(bin_path(p)) for shard in sources for p in shard.values())
     progress = Progress(total, "merge", enabled=show_progress)
     seen = HashSet() if dedup else None
-    builders = [IndexedDatasetBuilder(finals[key], dtype) for key in keys]
+    builders = [
+        IndexedDatasetBuilder(
+            finals[key], dtype, metadata=shared_metadata([shard[key] for shard in sources])
+        )
+        for key in keys
+    ]
     documents = duplicates = 0
     try:
         for manifest, shard in zip(manifests, sources, strict=True):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -153,11 +154,17 @@ class IndexedDatasetBuilder:
     the final paths as they were (an earlier dataset or nothing) or holding the complete new
     dataset. Used as a context manager it finalizes on success and cleans up on an exception.
     Token ids outside `dtype`'s range raise instead of wrapping around. The directories of
-    killed builders of the same prefix are removed when the next one starts.
+    killed builders of the same prefix are removed when the next one starts. `metadata`
+    (JSON-able, `format/metadata.py`) is committed with the two files as `PREFIX.hp.json`;
+    without it an old `PREFIX.hp.json` goes, as it would describe other tokens.
     """
 
     def __init__(
-        self, prefix: str | os.PathLike[str], dtype: DTypeLike = np.int32, multimodal: bool = False
+        self,
+        prefix: str | os.PathLike[str],
+        dtype: DTypeLike = np.int32,
+        multimodal: bool = False,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.prefix = prefix_of(prefix)
         if not os.path.basename(self.prefix):
@@ -167,6 +174,7 @@ class IndexedDatasetBuilder:
             )
         self.dtype = as_token_dtype(dtype)
         self.multimodal = multimodal
+        self.metadata = metadata
         directory = os.path.dirname(os.path.abspath(self.prefix))
         try:
             os.makedirs(directory, exist_ok=True)
@@ -387,8 +395,9 @@ class IndexedDatasetBuilder:
         finalize_together([self])
         return self.prefix
 
-    def _prepare(self) -> tuple[str, str, str]:
-        """Write the index beside the data; (prefix, tmp .bin, tmp .idx) ready to commit."""
+    def _prepare(self) -> tuple[str, str, str, str | None]:
+        """Write the index (and metadata) beside the data: (prefix, tmp .bin, tmp .idx,
+        tmp .hp.json or None), ready to commit."""
         self._check_open()
         if self._documents.last != self._lengths.count:
             self._documents.append(self._lengths.count)
@@ -400,7 +409,15 @@ class IndexedDatasetBuilder:
             self._write_index(index)
             index.flush()
             os.fsync(index.fileno())
-        return self.prefix, self._bin.name, tmp_idx
+        tmp_metadata = None
+        if self.metadata is not None:
+            tmp_metadata = os.path.join(self._tmp, "metadata.json")
+            with open(tmp_metadata, "w", encoding="utf-8") as stream:
+                json.dump(self.metadata, stream, indent=1, sort_keys=True)
+                stream.write("\n")
+                stream.flush()
+                os.fsync(stream.fileno())
+        return self.prefix, self._bin.name, tmp_idx, tmp_metadata
 
     def _write_index(self, index: Any) -> None:
         itemsize = self.dtype.itemsize

@@ -1,13 +1,15 @@
 """Move finished `.bin`/`.idx` files into place with one atomic commit point.
 
-A dataset is two files, and no filesystem renames two names at once: renaming them one after
-the other leaves, for an instant, a new `.bin` beside an old `.idx`. So the new files are
-first gathered in one hidden *journal* directory with the list of where they go, and renaming
-that directory to its fixed name, `.NAME.hp-commit` beside `NAME.bin`, is the commit: before
-it the final paths hold the old dataset untouched, after it the new one is the dataset. The
-files are then renamed into place and the journal removed. A kill in between leaves the
-journal; whatever of hp next opens or writes the prefix (`IndexedDataset`, a builder,
-`preprocess`) finishes it first (`recover`), so hp never reads a mixed pair.
+A dataset is two files (three with hp's `.hp.json`, `format/metadata.py`), and no filesystem
+renames two names at once: renaming them one after the other leaves, for an instant, a new
+`.bin` beside an old `.idx`. So the new files are first gathered in one hidden *journal*
+directory with the list of where they go, and renaming that directory to its fixed name,
+`.NAME.hp-commit` beside `NAME.bin`, is the commit: before it the final paths hold the old
+dataset untouched, after it the new one is the dataset. An old `.hp.json` that the new
+dataset has none for is then removed, the files are renamed into place and the journal
+removed. A kill in between leaves the journal; whatever of hp next opens or writes the
+prefix (`IndexedDataset`, a builder, `preprocess`) finishes it first (`recover`), so hp never
+reads a mixed pair.
 
 Several datasets written together (the keys of one preprocess) share one journal, named for
 the first; each other one gets a symbolic link `.NAME.hp-commit` to it, made *before* the
@@ -23,7 +25,7 @@ import shutil
 from collections.abc import Sequence
 
 from hp_data.errors import IndexedDatasetError
-from hp_data.format.header import bin_path, idx_path
+from hp_data.format.header import bin_path, idx_path, metadata_path
 
 TARGETS = "targets.json"
 
@@ -67,6 +69,9 @@ def _apply(journal: str) -> None:
     except FileNotFoundError:  # every file moved already: the journal is being removed
         shutil.rmtree(journal, ignore_errors=True)
         return
+    for stale in plan.get("remove", []):  # an old dataset's metadata, not the new one's
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, stale))
     for name, target in plan["files"]:
         with contextlib.suppress(FileNotFoundError):  # already in place
             os.replace(os.path.join(journal, name), os.path.join(directory, target))
@@ -78,12 +83,13 @@ def _apply(journal: str) -> None:
     shutil.rmtree(journal, ignore_errors=True)
 
 
-def commit(files: Sequence[tuple[str, str, str]]) -> None:
-    """Move each finished `(prefix, tmp_bin, tmp_idx)` to `prefix.bin`/`.idx`, all or none.
+def commit(files: Sequence[tuple[str, str, str, str | None]]) -> None:
+    """Move each finished `(prefix, tmp_bin, tmp_idx, tmp_metadata)` to `prefix.bin`, `.idx`
+    and `.hp.json`, all or none; a prefix without `tmp_metadata` loses any old `.hp.json`.
 
     Every prefix must sit in one directory. The first temporary `.bin`'s directory (a
     builder's own, on the same filesystem) becomes the journal; it is gone afterwards."""
-    prefixes = [prefix for prefix, _, _ in files]
+    prefixes = [staged[0] for staged in files]
     directory = os.path.dirname(os.path.abspath(prefixes[0]))
     if any(os.path.dirname(os.path.abspath(p)) != directory for p in prefixes):
         raise IndexedDatasetError("datasets committed together must share one directory")
@@ -91,15 +97,21 @@ def commit(files: Sequence[tuple[str, str, str]]) -> None:
         recover(prefix)
     journal = journal_path(prefixes[0])
     staging = os.path.dirname(os.path.abspath(files[0][1]))
-    moves = []
-    for i, (prefix, tmp_bin, tmp_idx) in enumerate(files):
-        for source, final in ((tmp_bin, bin_path(prefix)), (tmp_idx, idx_path(prefix))):
-            name = f"{i}{os.path.splitext(final)[1]}"
+    moves, stale = [], []
+    for i, (prefix, tmp_bin, tmp_idx, tmp_metadata) in enumerate(files):
+        metadata = metadata_path(prefix)
+        staged = [(tmp_bin, bin_path(prefix), ".bin"), (tmp_idx, idx_path(prefix), ".idx")]
+        if tmp_metadata is not None:
+            staged.append((tmp_metadata, metadata, ".json"))
+        elif os.path.lexists(metadata):
+            stale.append(os.path.basename(metadata))
+        for source, final, extension in staged:
+            name = f"{i}{extension}"
             os.replace(source, os.path.join(staging, name))
             moves.append([name, os.path.basename(final)])
     links = [os.path.basename(journal_path(p)) for p in prefixes[1:]]
     with open(os.path.join(staging, TARGETS), "w", encoding="utf-8") as stream:
-        json.dump({"files": moves, "links": links}, stream)
+        json.dump({"files": moves, "links": links, "remove": stale}, stream)
         stream.flush()
         os.fsync(stream.fileno())
     _fsync_directory(staging)

@@ -48,6 +48,11 @@ def bin_path(prefix: str | os.PathLike[str]) -> str:
     return prefix_of(prefix) + ".bin"
 
 
+def metadata_path(prefix: str | os.PathLike[str]) -> str:
+    """hp's `.hp.json` beside the two files (format/metadata.py)."""
+    return prefix_of(prefix) + ".hp.json"
+
+
 def pack_header(dtype: np.dtype, sequence_count: int, document_count: int) -> bytes:
     """The 34 header bytes for a dataset of `sequence_count` sequences and `document_count`
     boundaries (documents + 1)."""

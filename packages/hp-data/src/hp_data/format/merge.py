@@ -11,6 +11,7 @@ from hp_data.errors import IndexedDatasetError
 from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, prefix_of, read_layout
+from hp_data.format.metadata import shared_metadata
 from hp_data.progress import Progress
 
 
@@ -47,7 +48,8 @@ def merge_datasets(
     """Write `out_prefix` as the concatenation of `in_prefixes`; returns the output prefix.
 
     Every input header is checked before anything is written, so a mixed-dtype merge fails
-    fast and leaves no output.
+    fast and leaves no output. The output records the inputs' tokenizer when they all record
+    the same one (`shared_metadata`).
     """
     if not in_prefixes:
         raise IndexedDatasetError("merge needs at least one input dataset")
@@ -69,7 +71,8 @@ def merge_datasets(
         )
     total = sum(os.path.getsize(bin_path(prefix)) for prefix in in_prefixes)
     progress = Progress(total, "merge", enabled=show_progress)
-    with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal=multimodal) as builder:
+    metadata = shared_metadata(in_prefixes)
+    with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal, metadata) as builder:
         for prefix in in_prefixes:
             builder.add_index(prefix, on_bytes=progress.add_bytes)
     progress.close()

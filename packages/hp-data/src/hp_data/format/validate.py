@@ -13,6 +13,7 @@ import numpy as np
 
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.header import bin_path, idx_path, map_index_arrays, read_layout
+from hp_data.format.metadata import read_metadata
 
 CHUNK = 1 << 20
 
@@ -127,7 +128,7 @@ def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
     if not os.path.isfile(data):
         return [f"{data}: no such file"]
     lengths, pointers, documents, _ = map_index_arrays(layout, with_modes=False)
-    return list(
+    problems = list(
         array_problems(
             lengths,
             pointers,
@@ -138,3 +139,8 @@ def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
             data,
         )
     )
+    try:
+        read_metadata(prefix)
+    except IndexedDatasetError as exc:
+        problems.append(str(exc))
+    return problems

@@ -1,0 +1,81 @@
+"""`PREFIX.hp.json` travels with its tokens: written, replaced, removed and merged with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hp_data import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, merge_datasets
+from hp_data.format.metadata import read_metadata
+from hp_data.format.validate import dataset_problems
+
+from tests.helpers.corpus import random_corpus, write_with_hp
+
+
+def _made_with(hash_: str, eod: int | None = 0) -> dict:
+    tokenizer = {"source": "t.json", "path": "/t.json", "xxh3_128": hash_}
+    return {"schema": 1, "tokenizer": tokenizer, "eod": eod, "bos": None}
+
+
+def _write(prefix: Path, seed: int, metadata: dict | None) -> str:
+    with IndexedDatasetBuilder(prefix, np.uint16, metadata=metadata) as builder:
+        for document in random_corpus(seed, np.uint16).documents:
+            for sequence in document:
+                builder.add_item(sequence)
+            builder.end_document()
+    return str(prefix)
+
+
+def test_the_metadata_is_written_with_the_dataset_and_goes_when_it_is_rewritten_without(
+    tmp_path,
+):
+    prefix = _write(tmp_path / "ds", 1, _made_with("a" * 32))
+    assert json.loads(Path(prefix + ".hp.json").read_text()) == _made_with("a" * 32)
+    assert read_metadata(prefix) == _made_with("a" * 32)
+    _write(tmp_path / "ds", 2, None)  # new tokens, nothing known about them
+    assert not Path(prefix + ".hp.json").exists()
+    assert read_metadata(prefix) is None
+    assert len(IndexedDataset(prefix)) == sum(len(d) for d in random_corpus(2, np.uint16).documents)
+
+
+def test_a_failed_rewrite_keeps_the_old_metadata(tmp_path):
+    prefix = _write(tmp_path / "ds", 1, _made_with("a" * 32))
+    with pytest.raises(RuntimeError), IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_item([1, 2, 3])
+        raise RuntimeError("killed halfway")
+    assert read_metadata(prefix) == _made_with("a" * 32)
+
+
+@pytest.mark.parametrize(
+    ("others", "kept"),
+    [
+        ([_made_with("a" * 32)], True),
+        ([_made_with("b" * 32)], False),  # another tokenizer
+        ([_made_with("a" * 32, eod=None)], False),  # the same one, without EOD
+        ([None], False),  # unknown: Megatron's own files, say
+    ],
+)
+def test_a_merge_records_the_tokenizer_only_when_every_input_shares_it(tmp_path, others, kept):
+    first = _write(tmp_path / "in0", 0, _made_with("a" * 32))
+    rest = [_write(tmp_path / f"in{i + 1}", i + 1, m) for i, m in enumerate(others)]
+    merge_datasets(str(tmp_path / "out"), [first, *rest])
+    assert read_metadata(tmp_path / "out") == (_made_with("a" * 32) if kept else None)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"tokenizer": {}}', "no integer 'schema' key"),
+        ('{"schema": 2}', "schema 2 is newer than this hp-data reads (1); upgrade hp-data"),
+    ],
+)
+def test_a_bad_metadata_file_is_named_and_listed_by_check(tmp_path, text, message):
+    prefix = write_with_hp(str(tmp_path / "ds"), random_corpus(0, np.uint16))
+    Path(prefix + ".hp.json").write_text(text)
+    with pytest.raises(IndexedDatasetError, match="ds.hp.json: ") as error:
+        read_metadata(prefix)
+    assert message in str(error.value)
+    assert dataset_problems(prefix) == [str(error.value)]
