@@ -10,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from click.testing import CliRunner
 from hp_data import IndexedDataset
 from hp_data.cli import main
 from tokenizers import Tokenizer
 
 from tests.helpers.corpus import Corpus, random_corpus, write_with_hp
+from tests.helpers.corpus_files import write_jsonl
+from tests.helpers.run import cli
 
 HP_DATA = str(Path(sys.executable).parent / "hp-data")
 
@@ -76,13 +79,60 @@ def test_inspect_json_agrees_with_the_dataset(example_dataset):
         assert row["count"] == int(((lengths >= row["low"]) & (lengths <= row["high"])).sum())
 
 
-def test_inspect_show_decodes_documents(example_dataset, example_tokenizer, example_corpus):
-    result = invoke(
-        "inspect", example_dataset, "--show", "2", "--tokenizer", str(example_tokenizer)
-    )
-    assert result.exit_code == 0, result.output
+def test_inspect_show_decodes_with_the_tokenizer_the_dataset_records(
+    example_dataset, example_tokenizer, example_corpus, tmp_path
+):
+    # From another directory and without --tokenizer: PREFIX.hp.json says which one.
+    result = cli("inspect", example_dataset, "--show", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
     first = json.loads(example_corpus.open().readline())["text"]
-    assert f"--- document 0 ---\n{first}\n--- document 1 ---" in result.output
+    assert f"--- document 0 ---\n{first}\n--- document 1 ---" in result.stdout
+    assert f"tokenizer  {example_tokenizer} (xxh3 " in result.stdout
+    recorded = json.loads(invoke("inspect", example_dataset, "--json").output)["tokenizer"]
+    assert recorded == {
+        "source": str(example_tokenizer),
+        "path": str(example_tokenizer.resolve()),
+        "xxh3_128": xxhash.xxh3_128_hexdigest(example_tokenizer.read_bytes()),
+    }
+
+
+def _one_line_error(result) -> str:
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1
+    return result.output
+
+
+def test_inspect_show_refuses_a_recorded_tokenizer_that_changed_or_went(
+    tmp_path, example_tokenizer
+):
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_bytes(example_tokenizer.read_bytes())
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    out = str(tmp_path / "ds")
+    made = invoke("preprocess", str(corpus), "--out", out, "--tokenizer", str(tokenizer),
+                  "--workers", "1", "--quiet")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    tokenizer.write_text(json.dumps(json.loads(tokenizer.read_text()), indent=2))
+    changed = _one_line_error(invoke("inspect", out, "--show", "1"))
+    assert f"Error: {out}.hp.json: its tokenizer {str(tokenizer)!r} is not here as it was (" in (
+        changed
+    )
+    assert f"{tokenizer} has changed since (xxh3 " in changed
+    assert changed.endswith("; pass --tokenizer\n")
+    told = invoke("inspect", out, "--show", "1", "--tokenizer", str(example_tokenizer))
+    assert told.exit_code == 0 and "--- document 0 ---\nhello world\n" in told.output
+    tokenizer.unlink()
+    gone = _one_line_error(invoke("inspect", out, "--show", "1"))
+    assert f"{tokenizer}: no such tokenizer file" in gone and "pass --tokenizer" in gone
+
+
+def test_inspect_show_without_a_record_asks_for_the_tokenizer(tmp_path):
+    prefix = write_with_hp(str(tmp_path / "ds"), random_corpus(0, np.uint16))  # as Megatron's
+    refused = _one_line_error(invoke("inspect", prefix, "--show", "1"))
+    assert refused == (
+        f"Error: {prefix}: no tokenizer recorded beside it (hp-data preprocess writes "
+        "ds.hp.json); pass --tokenizer\n"
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.float64])
@@ -122,7 +172,6 @@ def test_inspect_check_lists_problems_and_exits_1(tmp_path):
     ("args", "message"),
     [
         (["inspect", "/nonexistent/ds"], "Error: /nonexistent/ds.idx: no such file"),
-        (["inspect", "x", "--show", "1"], "--show needs --tokenizer"),
         (["merge", "out", "/nonexistent/*.idx"], "pattern matches no files"),
         (
             [

@@ -38,8 +38,10 @@ def cli_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def read_bytes(prefix) -> tuple[bytes, bytes]:
-    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+def read_bytes(prefix, metadata: bool = False) -> tuple[bytes, ...]:
+    """The dataset's `.bin` and `.idx`, and with `metadata` its `.hp.json` (which must exist)."""
+    suffixes = (".bin", ".idx", ".hp.json") if metadata else (".bin", ".idx")
+    return tuple(Path(f"{prefix}{suffix}").read_bytes() for suffix in suffixes)
 
 
 def documented_json_keys() -> dict[str, set[str]]:

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from hp_data import IndexedDataset
 from hp_data.cli import main
+from tokenizers import Tokenizer
 
 from tests.helpers.corpus_files import write_jsonl
 from tests.helpers.megatron import build_megatron
@@ -59,6 +60,10 @@ def test_a_megatron_command_line_writes_what_megatron_reads(tmp_path, gpt2_files
     assert [dataset.get_document(d).tolist() for d in range(len(expected))] == expected
     # The text's own "<|endoftext|>" did not become EOD.
     assert all(document.count(eod) == 1 for document in expected)
+    # inspect finds vocab.json + merges.txt through the dataset's own record.
+    shown = CliRunner().invoke(main, ["inspect", data_path, "--show", "1"])
+    assert shown.exit_code == 0, shown.output
+    assert f"--- document 0 ---\n{reference.decode(expected[0])}\n" in shown.output
 
     train, _, _ = build_megatron(
         [8, None, None], 16, 1234, blend=([data_path], None), split="1,0,0", eod=eod
@@ -75,8 +80,8 @@ def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokeni
     result = runner.invoke(main, [*args, "--output-prefix", str(tmp_path / "p")])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.glob("p_*")) == [
-        "p_text_document.bin", "p_text_document.idx", "p_title_document.bin",
-        "p_title_document.idx",
+        "p_text_document.bin", "p_text_document.hp.json", "p_text_document.idx",
+        "p_title_document.bin", "p_title_document.hp.json", "p_title_document.idx",
     ]  # fmt: skip
     one = runner.invoke(main, [*args[:-1], "text", "--output-prefix", str(tmp_path / "one")])
     assert one.exit_code == 0, one.output
@@ -147,6 +152,15 @@ def test_a_hub_name_resolves_in_the_local_cache_offline(tmp_path, example_tokeni
         missing.stderr
     )
     assert "--allow-download" in missing.stderr and "Traceback" not in missing.stderr
+
+    # Elsewhere, with the hub cache somewhere else: the recorded hub name finds it again.
+    moved = tmp_path / "another-cache"
+    cache.rename(moved)
+    shown = cli("inspect", tmp_path / "hub", "--show", "1", env={**env, "HF_HUB_CACHE": str(moved)})
+    assert shown.returncode == 0, shown.stderr
+    ids = IndexedDataset(str(tmp_path / "hub")).get_document(0).tolist()
+    text = Tokenizer.from_file(str(example_tokenizer)).decode(ids)
+    assert f"--- document 0 ---\n{text}\n" in shown.stdout
 
 
 def _try_to_load_from_cache(cache: Path, name: str) -> str:

@@ -55,7 +55,9 @@ def test_ray_tasks_merge_to_the_one_machine_bytes(cluster, tmp_path, corpus, exa
     report = _on_ray(corpus, tmp_path / "ray", example_tokenizer, tasks=5)
     assert report["tasks"] == 5 and report["duplicates_across_shards"] > 0
     assert set(report) == documented_json_keys()["hp-data preprocess --ray --json"]
-    assert read_bytes(tmp_path / "ray") == read_bytes(tmp_path / "one")
+    assert read_bytes(tmp_path / "ray", metadata=True) == read_bytes(
+        tmp_path / "one", metadata=True
+    )
 
 
 def _kill_first_task(name: str, killed: list[int], stop: threading.Event) -> None:
@@ -89,7 +91,9 @@ def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(
         stop.set()
         killer.join()
     assert killed, "no task was caught running"
-    assert read_bytes(tmp_path / "ray") == read_bytes(tmp_path / "one")
+    assert read_bytes(tmp_path / "ray", metadata=True) == read_bytes(
+        tmp_path / "one", metadata=True
+    )
 
 
 def test_without_ray_the_flag_says_what_to_install(monkeypatch, tmp_path, corpus):

@@ -94,12 +94,14 @@ def test_killed_run_resumes_at_the_first_unfinished_shard(
     summary = json.loads(stdout)
     assert summary["resumed_shards"] >= 2
     assert summary["shards"] == 6
-    assert read_bytes(out) == read_bytes(tmp_path / "reference")
+    assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "reference", metadata=True)
     assert sorted(os.listdir(tmp_path)) == [
         "in",
         "out.bin",
+        "out.hp.json",
         "out.idx",
         "reference.bin",
+        "reference.hp.json",
         "reference.idx",
     ]
 
@@ -124,7 +126,7 @@ def test_a_killed_run_over_one_file_resumes_from_its_last_finished_unit(
     assert rerun.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["resumed_shards"] >= 3 and summary["shards"] > summary["resumed_shards"]
-    assert read_bytes(out) == read_bytes(tmp_path / "reference")
+    assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "reference", metadata=True)
 
 
 @pytest.mark.slow
@@ -140,7 +142,7 @@ def test_killed_at_any_moment_still_ends_identical(tmp_path, shards, example_tok
     rerun = _start(shards, out, example_tokenizer, 2)
     _, stderr = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, stderr
-    assert read_bytes(out) == read_bytes(tmp_path / "reference")
+    assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "reference", metadata=True)
 
 
 def test_changed_options_start_over(tmp_path, shards, example_tokenizer):
@@ -151,4 +153,4 @@ def test_changed_options_start_over(tmp_path, shards, example_tokenizer):
     summary = run_preprocess(shards, out, example_tokenizer, dedup="exact")
     assert summary.resumed_shards == 0
     run_preprocess(shards, tmp_path / "reference", example_tokenizer, dedup="exact")
-    assert read_bytes(out) == read_bytes(tmp_path / "reference")
+    assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "reference", metadata=True)

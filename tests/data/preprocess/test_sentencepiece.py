@@ -44,11 +44,12 @@ def test_megatrons_sentencepiece_command_line(tmp_path, model, example_corpus):
         expected = reference.encode_as_ids(text) + [reference.eos_id()]
         assert dataset.get_document(d).tolist() == expected
 
-    shown = CliRunner().invoke(
-        main, ["inspect", str(tmp_path / "sp_text_document"), "--show", "1", "--tokenizer", model]
-    )
+    # The model is recorded beside the dataset: inspect decodes without being told.
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "sp_text_document"), "--show", "1"])
     assert shown.exit_code == 0, shown.output
-    assert texts[0].split()[0] in shown.output
+    assert f"--- document 0 ---\n{reference.decode(dataset.get_document(0).tolist())}" in (
+        shown.output
+    )
 
 
 def test_what_cannot_read_a_sentencepiece_model_says_so(tmp_path, model, example_tokenizer):

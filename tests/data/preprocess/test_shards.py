@@ -67,7 +67,7 @@ def test_shards_merge_to_the_one_machine_bytes(tmp_path, corpus, example_tokeniz
     _sharded(inputs, tmp_path / "many", example_tokenizer, count, **options)
     for key, prefix in one.outputs.items():
         name = Path(prefix).name.replace("one", "many", 1)
-        assert read_bytes(tmp_path / name) == read_bytes(prefix), key
+        assert read_bytes(tmp_path / name, metadata=True) == read_bytes(prefix, metadata=True), key
 
 
 def test_a_finished_shard_is_not_redone_and_merge_checks_every_shard(
@@ -100,7 +100,7 @@ def test_a_finished_shard_is_not_redone_and_merge_checks_every_shard(
     run_preprocess(inputs, out, example_tokenizer, shard_index=2, **options)
     merge_shards(str(out))
     run_preprocess(inputs, tmp_path / "one", example_tokenizer, append_eod=True)
-    assert read_bytes(out) == read_bytes(tmp_path / "one")
+    assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "one", metadata=True)
 
 
 def test_the_plan_cuts_at_line_starts_and_is_printable(tmp_path, corpus):
@@ -173,4 +173,6 @@ def test_the_slurm_array_scripts_give_the_one_machine_bytes(tmp_path, corpus, ex
         capture_output=True,
         timeout=120,
     )
-    assert read_bytes(tmp_path / "many") == read_bytes(tmp_path / "one")
+    assert read_bytes(tmp_path / "many", metadata=True) == read_bytes(
+        tmp_path / "one", metadata=True
+    )

@@ -19,7 +19,7 @@ from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
 from hp_data.readers import FORMATS, discover
 from hp_data.shards import merge_shards
-from hp_data.summary import format_report, summarize
+from hp_data.summary import format_report, show_documents, summarize
 
 # preprocess (tokenizers, multiprocessing), blend and tokenize are imported by the commands
 # that use them: every command pays the start-up of what it imports (merge --shards on N
@@ -125,10 +125,11 @@ def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Decode the first N documents (needs --tokenizer).",
+    help="Decode the first N documents, with the tokenizer the dataset records or --tokenizer.",
 )
 @click.option(
-    "--tokenizer", type=click.Path(), help="tokenizer.json (or its directory) for --show."
+    "--tokenizer",
+    help="For --show instead of the recorded one: a tokenizer.json, HF directory or hub name.",
 )
 @click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
 def inspect(
@@ -141,8 +142,6 @@ def inspect(
     multimodal: bool,
 ) -> None:
     """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
-    if show and not tokenizer:
-        raise click.UsageError("--show needs --tokenizer")
     if check:
         problems = dataset_problems(path, multimodal)
         if problems:
@@ -156,13 +155,7 @@ def inspect(
     with IndexedDataset(path, multimodal=multimodal) as dataset:
         report = summarize(dataset)
         if show:
-            from hp_data.tokenize import decode_ids, load_tokenizer
-
-            decoder = load_tokenizer(tokenizer)  # type: ignore[arg-type]
-            report["shown"] = [
-                {"document": d, "text": decode_ids(decoder, dataset.get_document(d))}
-                for d in range(min(show, dataset.num_documents))
-            ]
+            report["shown"] = show_documents(dataset, show, tokenizer)
     if as_json:
         _emit(report)
         return

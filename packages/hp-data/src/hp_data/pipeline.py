@@ -32,12 +32,14 @@ from typing import Any, BinaryIO
 import numpy as np
 import xxhash
 
+from hp_data import __version__
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
 from hp_data.fast_bpe import FastBPE, compare, pick
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.format.metadata import SCHEMA as METADATA_SCHEMA
 from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
 from hp_data.readers import (
@@ -549,8 +551,15 @@ def preprocess(
         raise
     progress.close()
 
-    # Every key's output is complete before any is renamed into place.
-    finals = [IndexedDatasetBuilder(final, dtype) for final in outputs.values()]
+    # Every key's output is complete before any is renamed into place, with what made it.
+    metadata = {
+        "schema": METADATA_SCHEMA,
+        "written_by": f"hp-data {__version__}",
+        "tokenizer": files.describe(tokenizer_hash),
+        "eod": spec.eod,
+        "bos": spec.bos,
+    }
+    finals = [IndexedDatasetBuilder(final, dtype, metadata=metadata) for final in outputs.values()]
     try:
         for key, builder in zip(outputs, finals, strict=True):
             for index in range(len(shards)):
@@ -562,11 +571,7 @@ def preprocess(
     finalize_together(finals)
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
-    summary.tokenizer = {
-        "source": files.source or files.tokenizer_json,
-        "path": files.tokenizer_json,
-        "xxh3_128": tokenizer_hash,
-    }
+    summary.tokenizer = metadata["tokenizer"]
     if task is not None:  # the shard's hashes and manifest, after its datasets
         hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
         task.commit(outputs, hashes, summary.__dict__)

@@ -7,6 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from hp_data.errors import PreprocessError
+from hp_data.format.header import metadata_path
+from hp_data.format.metadata import read_metadata
 from hp_data.format.reader import IndexedDataset
 
 
@@ -65,7 +68,33 @@ def summarize(dataset: IndexedDataset) -> dict[str, Any]:
         "idx_bytes": os.path.getsize(dataset.idx_path),
         "document_length": length_stats(lengths),
         "histogram": histogram(lengths),
+        "tokenizer": (read_metadata(dataset.path_prefix) or {}).get("tokenizer"),
     }
+
+
+def show_documents(
+    dataset: IndexedDataset, count: int, tokenizer: str | None = None
+) -> list[dict[str, Any]]:
+    """The first `count` documents decoded with `tokenizer` (a path or hub name), or else
+    with the tokenizer the dataset's metadata records, checked to be the same bytes."""
+    from hp_data.tokenize import TokenizerFiles, decode_ids  # tokenizers only when showing
+
+    prefix = dataset.path_prefix
+    if tokenizer is not None:
+        files = TokenizerFiles.locate(tokenizer)
+    else:
+        record = (read_metadata(prefix) or {}).get("tokenizer")
+        if record is None:
+            raise PreprocessError(
+                f"{prefix}: no tokenizer recorded beside it (hp-data preprocess writes "
+                f"{os.path.basename(metadata_path(prefix))}); pass --tokenizer"
+            )
+        files = TokenizerFiles.recorded(record, metadata_path(prefix))
+    decoder = files.load()
+    return [
+        {"document": d, "text": decode_ids(decoder, dataset.get_document(d))}
+        for d in range(min(count, dataset.num_documents))
+    ]
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -78,6 +107,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"tokens     {report['tokens']:,}",
         f".bin bytes {report['bin_bytes']:,}",
     ]
+    if report["tokenizer"]:
+        tokenizer = report["tokenizer"]
+        lines.append(f"tokenizer  {tokenizer['source']} (xxh3 {tokenizer['xxh3_128'][:16]})")
     stats = report["document_length"]
     if stats["min"] is not None:
         lines.append(

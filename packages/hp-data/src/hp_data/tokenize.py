@@ -7,7 +7,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -104,6 +104,46 @@ class TokenizerFiles:
     def content_hash(self) -> str:
         """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
         return xxhash.xxh3_128_hexdigest(self.read())
+
+    def describe(self, content_hash: str) -> dict[str, str]:
+        """What a summary prints and a dataset's metadata records: what was named, the files
+        used (absolute, so that the record holds from any directory) and their xxh3-128."""
+        record = {"source": self.source or self.tokenizer_json, "xxh3_128": content_hash}
+        if self.gpt2 is None:
+            return record | {"path": os.path.abspath(self.tokenizer_json)}
+        vocab, merges = (os.path.abspath(name) for name in self.gpt2)
+        return record | {"path": f"{vocab} + {merges}", "vocab_file": vocab, "merge_file": merges}
+
+    @classmethod
+    def recorded(cls, record: Mapping[str, Any], where: str) -> TokenizerFiles:
+        """The tokenizer that `record` (`describe()`'s, read from `where`) names: its files
+        where they were, else what was named again (a hub name through the local HF cache),
+        and only while its bytes are the ones recorded."""
+        attempts: list[Callable[[], TokenizerFiles]] = []
+        if isinstance(record.get("vocab_file"), str) and isinstance(record.get("merge_file"), str):
+            attempts.append(lambda: cls.from_gpt2_files(record["vocab_file"], record["merge_file"]))
+        else:
+            for name in dict.fromkeys((record.get("path"), record.get("source"))):
+                if isinstance(name, str):
+                    attempts.append(lambda name=name: cls.locate(name))
+        tried = []
+        for attempt in attempts:
+            try:
+                files = attempt()
+            except PreprocessError as exc:
+                tried.append(str(exc))
+                continue
+            found = files.content_hash()
+            if found == record.get("xxh3_128"):
+                return files
+            tried.append(
+                f"{files.tokenizer_json} has changed since (xxh3 {found[:16]}, "
+                f"recorded {str(record.get('xxh3_128'))[:16]})"
+            )
+        raise PreprocessError(
+            f"{where}: its tokenizer {record.get('source')!r} is not here as it was "
+            f"({'; '.join(tried) or 'no file recorded'}); pass --tokenizer"
+        )
 
     def load(self) -> Tokenizer:
         """The tokenizer (a `SentencePieceModel` for a .model, with the same methods)."""
@@ -235,11 +275,6 @@ def resolve_tokenizer(
             f"{files.tokenizer_json} is not one"
         )
     return files
-
-
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """A tokenizer from a `tokenizer.json` file or a directory that holds one."""
-    return TokenizerFiles.locate(path).load()
 
 
 def decode_ids(tokenizer: Tokenizer, ids: np.ndarray) -> str:
