@@ -14,6 +14,7 @@ from hp_data.cli import main
 from tokenizers import Tokenizer
 
 from tests.helpers.corpus_files import write_jsonl
+from tests.helpers.hub_server import COMMIT, hub_server
 from tests.helpers.megatron import build_megatron
 from tests.helpers.run import cli, read_bytes
 
@@ -169,3 +170,39 @@ def _try_to_load_from_cache(cache: Path, name: str) -> str:
     found = try_to_load_from_cache(name, "tokenizer.json", cache_dir=str(cache))
     assert isinstance(found, str)
     return found
+
+
+def test_allow_download_fetches_only_tokenizer_files_and_then_works_offline(
+    tmp_path, example_tokenizer
+):
+    """Against a real HTTP hub endpoint (`HF_ENDPOINT`): offline unless allowed, then the
+    tokenizer files only (never weights), then from the cache with the hub gone."""
+    files = {
+        "tokenizer.json": example_tokenizer.read_bytes(),
+        "tokenizer_config.json": b'{"eos_token": "<|endoftext|>"}',
+        "model.safetensors": b"\0" * 4096,
+        "config.json": b"{}",
+    }
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    cache = tmp_path / "hub-cache"
+    command = ["preprocess", corpus, "--tokenizer", "hp-org/tiny", "--append-eod"]
+    command += ["--workers", "1", "--quiet"]
+    with hub_server("hp-org/tiny", files) as (endpoint, requested):
+        env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache)}
+        env.pop("HF_HUB_OFFLINE", None)
+        offline = cli(*command, "--out", tmp_path / "refused", env=env)
+        assert offline.returncode == 1 and "fetch it with --allow-download" in offline.stderr
+        assert requested == []  # offline by default: not one request
+        fetched = cli(*command, "--out", tmp_path / "fetched", "--allow-download", env=env)
+        assert fetched.returncode == 0, fetched.stderr
+        assert fetched.stderr == ""  # --quiet hides huggingface_hub's download bars too
+        downloads = {p.rsplit("/", 1)[1] for p in requested if "/resolve/" in p}
+        assert downloads == {"tokenizer.json", "tokenizer_config.json"}
+    snapshot = cache / "models--hp-org--tiny" / "snapshots" / COMMIT
+    assert sorted(p.name for p in snapshot.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    again = cli(*command, "--out", tmp_path / "cached", env=env)  # the server is gone
+    assert again.returncode == 0, again.stderr
+    reference = Tokenizer.from_file(str(example_tokenizer))
+    expected = reference.encode("hello world").ids + [reference.token_to_id("<|endoftext|>")]
+    for out in ("fetched", "cached"):
+        assert IndexedDataset(str(tmp_path / out)).get_document(0).tolist() == expected

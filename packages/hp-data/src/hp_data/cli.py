@@ -509,6 +509,8 @@ def preprocess_command(
             click.echo(
                 f"Note: --{name.replace('_', '-')} is Megatron's; hp-data ignores it", err=True
             )
+    if quiet:  # huggingface_hub's download bars too (read when it is first imported)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     files = resolve_tokenizer(tokenizer, tokenizer_type, vocab_file, merge_file, allow_download)
 
     options = PreprocessOptions(
