@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hp_data import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, merge_datasets
+from hp_data.format import expand_prefixes
 from hp_data.format.metadata import read_metadata
 from hp_data.format.validate import dataset_problems
 
@@ -62,6 +63,13 @@ def test_a_merge_records_the_tokenizer_only_when_every_input_shares_it(tmp_path,
     rest = [_write(tmp_path / f"in{i + 1}", i + 1, m) for i, m in enumerate(others)]
     merge_datasets(str(tmp_path / "out"), [first, *rest])
     assert read_metadata(tmp_path / "out") == (_made_with("a" * 32) if kept else None)
+
+
+def test_a_glob_over_datasets_skips_their_metadata(tmp_path):
+    prefixes = [_write(tmp_path / f"code-{i}", i, _made_with("a" * 32)) for i in range(2)]
+    assert expand_prefixes([str(tmp_path / "code-*")]) == prefixes
+    merge_datasets(str(tmp_path / "all"), expand_prefixes([str(tmp_path / "code-*")]))
+    assert read_metadata(tmp_path / "all") == _made_with("a" * 32)
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,18 @@ def test_inputs_are_read_in_the_documented_order(tmp_path, example_tokenizer):
     ]
 
 
+def test_outputs_beside_the_corpus_are_not_read_as_corpus(tmp_path, example_tokenizer):
+    # hp's PREFIX.hp.json is JSON by name: a directory or glob that holds outputs skips it.
+    corpus = tmp_path / "data"
+    corpus.mkdir()
+    (corpus / "a.json").write_text('{"text": "one"}\n')
+    run_preprocess([corpus], corpus / "out", example_tokenizer)
+    assert (corpus / "out.hp.json").exists()
+    for spec in (corpus, corpus / "*.json"):
+        assert [os.path.basename(s.path) for s in discover([str(spec)])] == ["a.json"]
+    assert run_preprocess([corpus], corpus / "out", example_tokenizer).documents_in == 1
+
+
 def test_unknown_inputs_are_refused(tmp_path):
     (tmp_path / "corpus.txt").write_text("x")
     with pytest.raises(PreprocessError, match="cannot tell the format from the name"):

@@ -96,9 +96,19 @@ class Parsed:
     offsets: list[int] | None = None  # each text's line (row) in the chunk, when asked for
 
 
+# hp's metadata beside a dataset (format/metadata.py): JSON by name, never a corpus, so a
+# directory or glob that also holds outputs does not read it.
+HP_METADATA = ".hp.json"
+
+
 def _files_in(directory: str) -> list[str]:
     names = sorted(os.listdir(directory))
-    return [os.path.join(directory, n) for n in names if _suffix_format(n) is not None]
+    return [os.path.join(directory, n) for n in names if _corpus_format(n) is not None]
+
+
+def _corpus_format(name: str) -> str | None:
+    """The format of a file a directory holds, or None when it is no corpus."""
+    return None if name.endswith(HP_METADATA) else _suffix_format(name)
 
 
 def _suffix_format(name: str) -> str | None:
@@ -131,10 +141,11 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
     paths: list[str] = []
     for spec in specs:
         if is_url(spec):
-            paths.extend(expand(spec, _suffix_format))
+            found = expand(spec, _corpus_format)
+            paths.extend(url for url in found if url == spec or not url.endswith(HP_METADATA))
             continue
         if glob.has_magic(spec) and not os.path.exists(spec):
-            matches = sorted(glob.glob(spec))
+            matches = [m for m in sorted(glob.glob(spec)) if not m.endswith(HP_METADATA)]
             if not matches:
                 raise PreprocessError(f"{spec}: pattern matches no files")
         else:

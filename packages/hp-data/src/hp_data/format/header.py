@@ -48,9 +48,12 @@ def bin_path(prefix: str | os.PathLike[str]) -> str:
     return prefix_of(prefix) + ".bin"
 
 
+METADATA_SUFFIX = ".hp.json"
+
+
 def metadata_path(prefix: str | os.PathLike[str]) -> str:
     """hp's `.hp.json` beside the two files (format/metadata.py)."""
-    return prefix_of(prefix) + ".hp.json"
+    return prefix_of(prefix) + METADATA_SUFFIX
 
 
 def pack_header(dtype: np.dtype, sequence_count: int, document_count: int) -> bytes:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.commit import recover
-from hp_data.format.header import bin_path, idx_path, prefix_of, read_layout
+from hp_data.format.header import METADATA_SUFFIX, bin_path, idx_path, prefix_of, read_layout
 from hp_data.format.metadata import shared_metadata
 from hp_data.progress import Progress
 
@@ -18,8 +18,9 @@ from hp_data.progress import Progress
 def expand_prefixes(specs: Iterable[str]) -> list[str]:
     """Dataset prefixes for prefixes, `.bin`/`.idx` paths, globs and directories.
 
-    A directory stands for every `*.idx` in it and a glob for every match, each sorted by
-    name; the order of `specs` is kept and a prefix named twice is kept once.
+    A directory stands for every `*.idx` in it and a glob for every match (but hp's
+    `.hp.json` beside a dataset), each sorted by name; the order of `specs` is kept and a
+    prefix named twice is kept once.
     """
     prefixes: list[str] = []
     for spec in specs:
@@ -28,7 +29,7 @@ def expand_prefixes(specs: Iterable[str]) -> list[str]:
             if not matches:
                 raise IndexedDatasetError(f"{spec}: directory holds no .idx files")
         elif glob.has_magic(spec):
-            matches = sorted(glob.glob(spec))
+            matches = [m for m in sorted(glob.glob(spec)) if not m.endswith(METADATA_SUFFIX)]
             if not matches:
                 raise IndexedDatasetError(f"{spec}: pattern matches no files")
         else:
