@@ -270,6 +270,10 @@ def test_resume_refuses_what_would_not_be_the_same_run(tmp_path):
     base = [*BASE, f"train.run_dir={run}", "checkpoint.interval=5"]
     assert hp_train(*FAST, *base).returncode == 0
     step5 = run / "checkpoints" / "step-0000005"
+    again = hp_train(*FAST, *base)  # the finished run, run again: said plainly, no NaN loss
+    assert again.returncode == 0, again.stderr
+    assert "hp-train: nothing to do: the run is at step 5 of train.steps 5" in again.stdout
+    assert "loss nan" not in again.stdout
     message = _fails(*base, "train.steps=8", "train.global_batch_size=8")
     assert f"train.global_batch_size=8, but {step5} was trained with 4" in message
     message = _fails(*base, "train.steps=8", "data.seed=7")

@@ -177,11 +177,17 @@ def train(
                 "elapsed_s": result.seconds,
             }
         )
-        metrics.say(
-            f"hp-train: {status}: {state.step} steps in {result.seconds:.1f} s; loss "
-            f"{result.losses.get(state.step, float('nan')):.4f}; metrics in {metrics.path}"
-            + ("" if result.stopped_by is None else "; run the same command to resume")
-        )
+        if run.resumed_from is not None and not result.losses:  # resumed at the end
+            metrics.say(
+                f"hp-train: nothing to do: the run is at step {state.step} of train.steps "
+                f"{t.steps}; raise train.steps to train further"
+            )
+        else:
+            metrics.say(
+                f"hp-train: {status}: {state.step} steps in {result.seconds:.1f} s; loss "
+                f"{result.losses.get(state.step, float('nan')):.4f}; metrics in {metrics.path}"
+                + ("" if result.stopped_by is None else "; run the same command to resume")
+            )
     except TrainError as exc:
         metrics.write({"kind": "end", "status": "failed", "step": state.step, "reason": str(exc)})
         raise
