@@ -21,6 +21,13 @@ class PreprocessError(HpDataError):
     """A corpus or tokenizer cannot be turned into a dataset (message starts with file:line)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of a third-party exception's message (its class name when it has
+    none), for a one-line error of hp's own."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def open_input(path: str, error: type[HpDataError], expected: str) -> BinaryIO:
     """Open regular file `path` for binary reading, or raise `error` saying in one line why
     not. Opened without blocking: a FIFO at the path would otherwise wait for a writer."""

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from hp_data.errors import PreprocessError
+from hp_data.errors import PreprocessError, first_line
 from hp_data.remote import expand, identify, is_url, open_corpus, open_url, size_of
 
 SUFFIXES = {
@@ -459,8 +459,9 @@ def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None, quiet: bool
         else:
             loaded = datasets.load_dataset(shard.path, split=split, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many types for a bad directory
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PreprocessError(f"{shard.path}: cannot load as an HF dataset: {reason}") from None
+        raise PreprocessError(
+            f"{shard.path}: cannot load as an HF dataset: {first_line(exc)}"
+        ) from None
     finally:
         if was_enabled:
             datasets.enable_progress_bars()

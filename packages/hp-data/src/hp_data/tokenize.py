@@ -16,7 +16,7 @@ import orjson
 import xxhash
 from tokenizers import Tokenizer
 
-from hp_data.errors import PreprocessError
+from hp_data.errors import PreprocessError, first_line
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
 
 # Tried in order when neither --eod-token nor tokenizer_config.json names the token.
@@ -94,8 +94,9 @@ class TokenizerFiles:
         try:
             model = models.BPE.from_file(vocab, merges)
         except Exception as exc:  # tokenizers raises plain Exception for bad files
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise PreprocessError(f"{vocab}, {merges}: not GPT-2 BPE files: {reason}") from None
+            raise PreprocessError(
+                f"{vocab}, {merges}: not GPT-2 BPE files: {first_line(exc)}"
+            ) from None
         tokenizer = Tokenizer(model)
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -154,9 +155,8 @@ class TokenizerFiles:
                 return Tokenizer.from_str(self.read().decode())
             return Tokenizer.from_file(self.tokenizer_json)
         except Exception as exc:  # tokenizers raises plain Exception for bad JSON
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise PreprocessError(
-                f"{self.tokenizer_json}: not a valid tokenizers model: {reason}"
+                f"{self.tokenizer_json}: not a valid tokenizers model: {first_line(exc)}"
             ) from None
 
     def special_id(self, tokenizer: Tokenizer, role: str, token: str | None) -> int:
@@ -214,8 +214,7 @@ def _from_hub(name: str, allow_download: bool) -> str:
             f"({constants.HF_HUB_CACHE}); fetch it with --allow-download"
         ) from None
     except (HfHubHTTPError, ValueError, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PreprocessError(f"{name}: {reason}") from None
+        raise PreprocessError(f"{name}: {first_line(exc)}") from None
 
 
 def _config(path: str | None) -> dict[str, Any]:
@@ -389,8 +388,7 @@ class SentencePieceModel:
         try:
             self.processor = sentencepiece.SentencePieceProcessor(model_file=path)
         except (OSError, RuntimeError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise PreprocessError(f"{path}: not a SentencePiece model: {reason}") from None
+            raise PreprocessError(f"{path}: not a SentencePiece model: {first_line(exc)}") from None
 
     def __getstate__(self) -> dict[str, str]:  # sent to workers as its path
         return {"path": self.path}
