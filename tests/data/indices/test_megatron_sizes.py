@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hp_data.blend import build_datasets
-from hp_data.cli import main, megatron_sample_counts
+from hp_data.blend import build_datasets, megatron_sample_counts
+from hp_data.cli import main
 from hp_data.gpt import GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp

@@ -166,6 +166,25 @@ class BlendableDataset:
         return {"dataset_id": k, **self.datasets[k][sample]}
 
 
+def megatron_sample_counts(
+    train_samples: int | None,
+    train_iters: int | None,
+    global_batch_size: int,
+    eval_iters: int = 100,
+    eval_interval: int = 1000,
+) -> list[int]:
+    """Train, valid and test sample counts as Megatron-LM's training.py computes them
+    (`get_train_valid_test_num_samples`, without batch-size ramp-up); an `eval_interval` of
+    0 means no evaluation during training (no valid samples). hp-data build-index and
+    hp-train both size their splits with it."""
+    if train_samples is not None:
+        train_iters = train_samples // global_batch_size
+    else:
+        train_samples = (train_iters or 0) * global_batch_size
+    evaluations = ((train_iters or 0) // eval_interval + 1) * eval_iters if eval_interval else 0
+    return [train_samples, evaluations * global_batch_size, eval_iters * global_batch_size]
+
+
 def build_datasets(
     data_path: BlendSpec | None,
     config: GPTDatasetConfig,

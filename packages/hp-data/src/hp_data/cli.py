@@ -651,6 +651,8 @@ def build_index(
     Sizes as Megatron computes them from --train-samples or --train-iters with
     --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
     eval interval + 1) x eval iters x batch, test = eval iters x batch."""
+    from hp_data.blend import build_datasets, build_report, megatron_sample_counts
+
     counts: list[int | None] = [None, None, None]
     if num_samples:
         try:
@@ -667,7 +669,7 @@ def build_index(
             raise click.UsageError("give one of --num-samples, --train-samples, --train-iters")
         if global_batch_size is None:
             raise click.UsageError("--train-samples and --train-iters need --global-batch-size")
-        counts = megatron_sample_counts(
+        counts[:] = megatron_sample_counts(
             train_samples, train_iters, global_batch_size, eval_iters, eval_interval
         )
     config = GPTDatasetConfig(
@@ -678,8 +680,6 @@ def build_index(
         drop_last_partial_validation_sequence=not keep_last_partial_validation,
         cache_dir=cache_dir,
     )
-    from hp_data.blend import build_datasets, build_report
-
     report = build_report(build_datasets(" ".join(data_path), config, counts))
     if as_json:
         _emit({"splits": report})
@@ -689,23 +689,6 @@ def build_index(
         click.echo(f"{name}: {entry['samples']:,} samples, {state}")
         for file in entry["files"]:
             click.echo(f"  {file}")
-
-
-def megatron_sample_counts(
-    train_samples: int | None,
-    train_iters: int | None,
-    global_batch_size: int,
-    eval_iters: int = 100,
-    eval_interval: int = 1000,
-) -> list[int | None]:
-    """Train, valid and test sample counts as Megatron-LM's training.py computes them
-    (`get_train_valid_test_num_samples`, without batch-size ramp-up)."""
-    if train_samples is not None:
-        train_iters = train_samples // global_batch_size
-    else:
-        train_samples = (train_iters or 0) * global_batch_size
-    evaluations = ((train_iters or 0) // eval_interval + 1) * eval_iters
-    return [train_samples, evaluations * global_batch_size, eval_iters * global_batch_size]
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hp_data.blend import megatron_sample_counts
 from hp_data.errors import HpDataError
 from hp_data.gpt import corpus_fingerprint
 from hp_data.index import SPLITS, parse_split
@@ -75,10 +76,10 @@ def pp_microbatches(config: Config, plan: BatchPlan) -> int:
 def sample_counts(config: Config, plan: BatchPlan) -> tuple[int, int]:
     """(train, validation) samples, as Megatron computes them."""
     t = config.train
-    train = t.steps * plan.global_batch_size
-    if not t.eval_interval:
-        return train, 0
-    return train, t.eval_iters * plan.global_batch_size * (t.steps // t.eval_interval + 1)
+    train, valid, _ = megatron_sample_counts(
+        None, t.steps, plan.global_batch_size, t.eval_iters, t.eval_interval
+    )
+    return train, valid
 
 
 def _registry_config(config: Config, split: str, num_samples: int, run_dir: str) -> DatasetConfig:
