@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from hp_data import IndexedDataset
 from hp_data.cli import main
+from hp_data.tokenize import TokenizerFiles
 from tokenizers import Tokenizer
 
 from tests.helpers.corpus_files import write_jsonl
@@ -206,3 +207,17 @@ def test_allow_download_fetches_only_tokenizer_files_and_then_works_offline(
     expected = reference.encode("hello world").ids + [reference.token_to_id("<|endoftext|>")]
     for out in ("fetched", "cached"):
         assert IndexedDataset(str(tmp_path / out)).get_document(0).tolist() == expected
+
+
+def test_gpt2_files_named_relatively_load_from_another_directory(tmp_path, gpt2_files, monkeypatch):
+    """What a Ray task gets: the tokenizer by absolute paths, as it starts elsewhere."""
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = gpt2_files
+    monkeypatch.chdir(vocab.parent)
+    files = TokenizerFiles.from_gpt2_files(vocab.name, merges.name).absolute()
+    monkeypatch.chdir(tmp_path)
+    assert files.gpt2 == (str(vocab), str(merges))
+    text = "Relative paths, it's 12 o'clock."
+    reference = GPT2Tokenizer(str(vocab), str(merges))
+    assert files.load().encode(text).ids == reference.encode(text)

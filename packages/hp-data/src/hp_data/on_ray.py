@@ -57,7 +57,7 @@ def preprocess_on_ray(
     # Located here (a hub name resolves in this machine's cache), with an absolute path.
     if not isinstance(tokenizer, TokenizerFiles):
         tokenizer = TokenizerFiles.locate(tokenizer, options.allow_download)
-    tokenizer = replace(tokenizer, tokenizer_json=os.path.abspath(tokenizer.tokenizer_json))
+    tokenizer = tokenizer.absolute()
     found = discover(inputs, options.input_format)  # bad inputs fail here, before any task
     started_here = not ray.is_initialized()
     if started_here:

@@ -106,14 +106,26 @@ class TokenizerFiles:
         """xxh3-128 of the tokenizer.json bytes: what changes the ids, for cache keys."""
         return xxhash.xxh3_128_hexdigest(self.read())
 
+    def absolute(self) -> TokenizerFiles:
+        """The same files by absolute paths: for processes that start in another directory
+        (Ray tasks), and for records read from anywhere."""
+        if self.gpt2 is None:
+            tokenizer_json, gpt2 = os.path.abspath(self.tokenizer_json), None
+        else:
+            gpt2 = (os.path.abspath(self.gpt2[0]), os.path.abspath(self.gpt2[1]))
+            tokenizer_json = f"{gpt2[0]} + {gpt2[1]}"
+        config_path = os.path.abspath(self.config_path) if self.config_path else None
+        return replace(self, tokenizer_json=tokenizer_json, gpt2=gpt2, config_path=config_path)
+
     def describe(self, content_hash: str) -> dict[str, str]:
         """What a summary prints and a dataset's metadata records: what was named, the files
         used (absolute, so that the record holds from any directory) and their xxh3-128."""
         record = {"source": self.source or self.tokenizer_json, "xxh3_128": content_hash}
-        if self.gpt2 is None:
-            return record | {"path": os.path.abspath(self.tokenizer_json)}
-        vocab, merges = (os.path.abspath(name) for name in self.gpt2)
-        return record | {"path": f"{vocab} + {merges}", "vocab_file": vocab, "merge_file": merges}
+        files = self.absolute()
+        record["path"] = files.tokenizer_json
+        if files.gpt2 is not None:
+            record |= {"vocab_file": files.gpt2[0], "merge_file": files.gpt2[1]}
+        return record
 
     @classmethod
     def recorded(cls, record: Mapping[str, Any], where: str) -> TokenizerFiles:
