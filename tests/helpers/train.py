@@ -127,3 +127,19 @@ def signal_tree(pid: int, sig: int, launcher: bool = True) -> None:
 def records(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def hp_train_here(*args: str) -> subprocess.CompletedProcess:
+    """`hp-train ARGS` through its real entry point, in this process (one rank, no launcher):
+    ~20x cheaper than a subprocess, for the many hostile cases. Exit code and output as a
+    subprocess would give them."""
+    from hp_runtime.train.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([*map(str, args)])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["hp-train", *args], code, out.getvalue(), err.getvalue())

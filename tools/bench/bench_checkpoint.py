@@ -12,6 +12,13 @@ then resumes from the last checkpoint. Read from each run's metrics.jsonl:
   run (after imports) to the end of its first step, fresh and resumed.
 
     uv run python tools/bench/bench_checkpoint.py [--models small,125m] [--steps 9] [--interval 3]
+
+`--checksums` measures instead what hp's checkpoint checksums cost: in one process, the same
+model and AdamW state saved and loaded by DCP's own `FileSystemWriter`/`FileSystemReader` and
+by hp's `ChecksumWriter`/`CheckedReader` (xxh3 of every item taken while it is written, checked
+while it is read), alternating, best of `--repeats`; the ratio is hp's time over DCP's.
+
+    uv run python tools/bench/bench_checkpoint.py --checksums [--models small,125m] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -80,12 +87,66 @@ def measure(model: str, steps: int, interval: int, work: Path) -> dict[str, floa
     }  # fmt: skip
 
 
+def checksum_cost(model: str, repeats: int, work: Path) -> dict[str, float]:
+    """Best save and load seconds of one state, by DCP's plain file storage and by hp's."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from hp_runtime.model import PRESETS, Transformer
+    from hp_runtime.train.storage import CheckedReader, ChecksumWriter
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    net = Transformer(PRESETS[model])
+    state = {"model": dict(net.state_dict())}
+    state["optim"] = {
+        f"{name}.{moment}": torch.randn_like(param)
+        for name, param in net.named_parameters()
+        for moment in ("exp_avg", "exp_avg_sq")
+    }
+    target = {part: {k: torch.empty_like(v) for k, v in d.items()} for part, d in state.items()}
+    kinds = {"dcp": (FileSystemWriter, FileSystemReader), "hp": (ChecksumWriter, CheckedReader)}
+    best = {f"{kind}_{op}": float("inf") for kind in kinds for op in ("save", "load")}
+    for attempt in range(repeats):
+        for kind, (writer, reader) in kinds.items():
+            path = work / f"{model}-{kind}-{attempt}"
+            start = time.perf_counter()
+            dcp.save(state, storage_writer=writer(str(path)))
+            best[f"{kind}_save"] = min(best[f"{kind}_save"], time.perf_counter() - start)
+            start = time.perf_counter()
+            dcp.load(target, storage_reader=reader(str(path)))
+            best[f"{kind}_load"] = min(best[f"{kind}_load"], time.perf_counter() - start)
+            for file in path.iterdir():
+                file.unlink()
+            path.rmdir()
+    nbytes = sum(t.numel() * t.element_size() for d in state.values() for t in d.values())
+    return {"mb": nbytes / 1e6, **best}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="small,125m")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--interval", type=int, default=3)
+    parser.add_argument("--checksums", action="store_true", help="the cost of checksums only")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.checksums:
+        print("model | state MB | save: DCP s, hp s, ratio | load: DCP s, hp s, ratio")
+        with tempfile.TemporaryDirectory() as work:
+            for model in args.models.split(","):
+                r = checksum_cost(model, args.repeats, Path(work))
+                print(
+                    f"{model} | {r['mb']:.0f} | {r['dcp_save']:.3f}, {r['hp_save']:.3f}, "
+                    f"{r['hp_save'] / r['dcp_save']:.2f}x | {r['dcp_load']:.3f}, "
+                    f"{r['hp_load']:.3f}, {r['hp_load'] / r['dcp_load']:.2f}x",
+                    flush=True,
+                )
+        return
     rows = {}
     with tempfile.TemporaryDirectory() as work:
         for model in args.models.split(","):

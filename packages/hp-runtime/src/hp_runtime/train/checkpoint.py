@@ -3,10 +3,17 @@
 A checkpoint of step N is written into `RUN_DIR/checkpoints/.tmp-step-000000N` by every rank
 (DCP shards of the model and optimizer, keyed by parameter names, so any layout can load them;
 each rank's RNG states in `extra/`; `meta.json` from rank 0 with the step, `consumed_samples`,
-the resolved config and the data fingerprint) and committed by one rename to `step-000000N`
-once every rank's writes are done. A directory that was never renamed is never loaded and is
-removed at the next start; older checkpoints beyond `checkpoint.keep` are deleted only after a
-newer one is committed.
+the run's id, the resolved config and the data fingerprint) and committed by one rename to
+`step-000000N` once every rank's writes are done. A directory that was never renamed is never
+loaded and is removed at the next start; older checkpoints of the same run beyond
+`checkpoint.keep` are deleted only after a newer one is committed. Every file carries a
+checksum taken while it was written and checked while it is read (`storage.py`); nothing in a
+checkpoint is unpickled beyond plain data.
+
+A run directory holds one run. `checkpoint.resume = "auto"` continues it; `"none"` starts
+fresh only where no checkpoint is yet; an explicit path seeds a run directory that has no
+checkpoints of its own (once it has, the same command continues from them: "run the same
+command to resume" stays true).
 
 With `checkpoint.async` the tensors are copied to host memory and written by a background
 thread (`dcp.async_save`, over a gloo group of its own so its collectives never interleave with
@@ -15,17 +22,18 @@ training's); the commit happens at the first step boundary after the write finis
 
 from __future__ import annotations
 
-import json
+import contextlib
+import errno
 import os
-import random
 import shutil
 import time
+import tomllib
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,16 +46,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hp_runtime.model import ModelConfig, Transformer
+from hp_runtime.train import rng, storage
 from hp_runtime.train.config import CheckpointConfig, Config
 from hp_runtime.train.data import same_data
-from hp_runtime.train.launch import Runtime, TrainError
+from hp_runtime.train.launch import Runtime, TrainError, agree
 from hp_runtime.train.state import TrainState
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"
 TMP = ".tmp-"
 META = "meta.json"
+METADATA_KEY = "dcp_metadata_xxh3"  # meta.json's checksum of DCP's .metadata
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Fields that change nothing a checkpoint holds, so a resume may change them.
+INIT_ONLY = {"init_std"}
 
 
 class CheckpointError(TrainError):
@@ -57,6 +70,16 @@ class CheckpointError(TrainError):
     def __init__(self, message: str, fallback: bool = True) -> None:
         super().__init__(message)
         self.fallback = fallback
+        # A refusal is found alike on every rank; damage may be one rank's (then agreed on).
+        self.everywhere = not fallback
+
+
+class SaveFailed(TrainError):
+    """A save that could not be written."""
+
+    def __init__(self, message: str, everywhere: bool) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere  # DCP's failures reach every rank; a rank's own file not
 
 
 def step_name(step: int) -> str:
@@ -70,18 +93,60 @@ def committed(root: str) -> list[str]:
     names = sorted(
         n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX) :].isdigit()
     )
-    return [os.path.join(root, n) for n in names]
+    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+
+# meta.json's fields and their types: a file that parses but is not a checkpoint's is damage.
+_META_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "step": int,
+    "consumed_samples": int,
+    "global_batch_size": int,
+    "world_size": int,
+    "config": str,
+    "data": dict,
+    "guard": dict,
+}
 
 
 def read_meta(path: str) -> dict[str, Any]:
-    meta = os.path.join(path, META)
+    """A checkpoint's `meta.json`, checked field by field (damage is a fallback error)."""
+    file = os.path.join(path, META)
     try:
-        with open(meta, encoding="utf-8") as stream:
-            return json.load(stream)
+        meta = storage.read_json(file, checked=False)
     except FileNotFoundError:
-        raise CheckpointError(f"{meta}: missing; {path} is not a hp-train checkpoint") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{meta}: unreadable ({exc})") from None
+        raise CheckpointError(f"{file}: missing; {path} is not a hp-train checkpoint") from None
+    except (OSError, storage.Damaged) as exc:
+        reason = str(exc) if isinstance(exc, storage.Damaged) else f"{file}: {exc}"
+        raise CheckpointError(reason) from None
+    for key, kind in _META_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{file}: field {key!r} is {value!r}, not a {kind.__name__}")
+        if kind is int and value < (1 if key in ("global_batch_size", "world_size") else 0):
+            raise CheckpointError(f"{file}: field {key!r} is {value}")
+    data, guard = meta["data"], meta["guard"]
+    if not (isinstance(data.get("config"), dict) and isinstance(data.get("fingerprint"), dict)):
+        raise CheckpointError(f"{file}: field 'data' lacks its config or fingerprint")
+    for key in ("losses", "norms"):
+        values = guard.get(key)
+        if not isinstance(values, list) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+        ):
+            raise CheckpointError(f"{file}: field 'guard.{key}' is not a list of numbers")
+    if not isinstance(meta.get("run_id", ""), str):
+        raise CheckpointError(f"{file}: field 'run_id' is not a string")
+    try:
+        saved = tomllib.loads(meta["config"])
+    except tomllib.TOMLDecodeError as exc:
+        raise CheckpointError(f"{file}: field 'config' is not the run's TOML ({exc})") from None
+    if not isinstance(saved.get("model"), dict):
+        raise CheckpointError(f"{file}: field 'config' has no [model] table")
+    return meta
+
+
+def saved_model(meta: dict[str, Any]) -> dict[str, Any]:
+    """The [model] table of the config a checkpoint was written with."""
+    return tomllib.loads(meta["config"])["model"]
 
 
 def tensors(state: TrainState) -> dict[str, dict[str, Any]]:
@@ -105,30 +170,30 @@ def _apply(state: TrainState, loaded: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def _rng_states(device: torch.device) -> dict[str, Any]:
-    states = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
+def seal(tmp: str) -> None:
+    """Record the checksum of DCP's `.metadata` (written last, by DCP) in `meta.json`, so that
+    every file of the checkpoint is covered before it is committed."""
+    file = os.path.join(tmp, META)
+    meta = storage.read_json(file)
+    meta[METADATA_KEY] = storage.file_digest(os.path.join(tmp, ".metadata"))
+    storage.write_json(file + ".tmp", meta)
+    os.replace(file + ".tmp", file)
 
 
-def _restore_rng(states: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-    if "cuda" in states and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], device)
-
-
-def _metadata(path: str) -> Any:
+def _metadata(path: str, meta: dict[str, Any]) -> Any:
+    """DCP's metadata of `path`, its checksum checked against `meta` first (when recorded)."""
     try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}/.metadata: unreadable ({first_line(exc)})") from None
+        if METADATA_KEY in meta:
+            found = storage.file_digest(os.path.join(path, ".metadata"))
+            if found != meta[METADATA_KEY]:
+                raise CheckpointError(f"{path}/.metadata: fails its checksum")
+        return storage.CheckedReader(path).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}/.metadata: missing") from None
+    except storage.Damaged as exc:
+        raise CheckpointError(str(exc)) from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}/.metadata: unreadable ({exc.strerror})") from None
 
 
 def check_files(path: str, metadata: Any) -> None:
@@ -146,22 +211,45 @@ def check_files(path: str, metadata: Any) -> None:
             raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {size} bytes)")
 
 
-def check_shapes(path: str, metadata: Any, model: dict[str, Any]) -> None:
-    """Name the first parameter whose shape differs from the checkpoint's (before DCP would
-    fail with a less helpful message). A DTensor's shape is its global one."""
-    saved = metadata.state_dict_metadata
-    for name, value in model.items():
-        key = f"model.{name}"
-        if key not in saved:
+def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
+    """Refuse a checkpoint of another model before any tensor is read: the resolved model
+    config first (every field that shapes or means something), naming what differs."""
+    saved = saved_model(meta)
+    for item in fields(ModelConfig):
+        if item.name in INIT_ONLY or item.name not in saved:
+            continue
+        have = getattr(config, item.name)
+        if saved[item.name] != have:
             raise CheckpointError(
-                f"{path}: has no parameter {name}: the model changed", fallback=False
+                f"model.{item.name} = {have!r}, but {path} was trained with "
+                f"{saved[item.name]!r}: a checkpoint resumes only the model that wrote it; set "
+                f"model.{item.name} = {saved[item.name]!r} (or export it and start a new "
+                f"train.run_dir with model.init_from)",
+                fallback=False,
             )
-        want = tuple(value.shape) if isinstance(value, torch.Tensor) else None
-        have = tuple(getattr(saved[key], "size", ()))
-        if want is not None and have != want:
+
+
+def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
+    """The checkpoint's model tensors must be exactly the model's, by name and global shape:
+    a tensor missing from either side is refused by name, never skipped."""
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in Transformer(config).state_dict().items()}
+    saved = {
+        key[len("model.") :]: tuple(getattr(value, "size", ()))
+        for key, value in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    missing = sorted(set(expected) - set(saved))
+    extra = sorted(set(saved) - set(expected))
+    if missing or extra:
+        parts = [f"has no {', '.join(missing)}"] if missing else []
+        parts += [f"has {', '.join(extra)}, which this model does not"] if extra else []
+        raise CheckpointError(f"{path}: {'; '.join(parts)}: the model changed", fallback=False)
+    for name, shape in expected.items():
+        if saved[name] != shape:
             raise CheckpointError(
-                f"{path}: parameter {name} has shape {list(have)} in the checkpoint but "
-                f"{list(want)} in this model: the model changed",
+                f"{path}: parameter {name} has shape {list(saved[name])} in the checkpoint but "
+                f"{list(shape)} in this model: the model changed",
                 fallback=False,
             )
 
@@ -171,6 +259,45 @@ class Pending:
     step: int
     future: Future
     tmp: str
+    started: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A committed checkpoint, for the log."""
+
+    step: int
+    path: str
+    seconds: float
+    background: bool
+
+
+def _nbytes(payload: dict[str, dict[str, Any]]) -> int:
+    """This rank's bytes in `payload` (a DTensor counts its local shard)."""
+    total = 0
+    for part in payload.values():
+        for value in part.values():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if isinstance(local, torch.Tensor):
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _no_space(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        for inner in (getattr(current, "failures", None) or {}).values():
+            todo.append(inner[0] if isinstance(inner, tuple) else inner)
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return "No space left on device" in str(exc)
 
 
 class Checkpointer:
@@ -181,6 +308,10 @@ class Checkpointer:
         self.config, self.runtime = config, runtime
         self.pending: Pending | None = None
         self.last_save_seconds = 0.0
+        # The run's id, in every checkpoint it writes: `keep` prunes only these. A fresh or a
+        # seeded run gets a new one (only rank 0 writes or prunes, so only its id counts).
+        self.run_id = uuid.uuid4().hex[:16]
+        self.legacy = False  # resumed a checkpoint written before run ids: those are ours
         # A group of its own for the background writes (created by every rank, in order).
         self.group = dist.new_group(backend="gloo") if config.async_save else None
 
@@ -192,79 +323,187 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         dist.barrier()
 
-    def save(self, state: TrainState, meta: dict[str, Any], block: bool = False) -> str:
-        """Checkpoint `state`; asynchronous when configured unless `block`. Returns the final
-        path (committed now, or at a later `poll`)."""
+    def adopt(self, meta: dict[str, Any]) -> None:
+        """Continue the run that wrote `meta` (a checkpoint of this run directory)."""
+        if meta.get("run_id"):
+            self.run_id = meta["run_id"]
+        else:
+            self.legacy = True
+
+    def save(self, state: TrainState, meta: dict[str, Any], block: bool = False) -> Saved | None:
+        """Checkpoint `state`; asynchronous when configured unless `block`. Returns what was
+        committed now (None while a background write goes on: `poll` commits it)."""
         self.wait()  # one save in flight at a time
         start = time.perf_counter()
-        final = os.path.join(self.root, step_name(state.step))
         tmp = os.path.join(self.root, TMP + step_name(state.step))
-        extra = os.path.join(tmp, "extra")
-        os.makedirs(extra, exist_ok=True)
-        torch.save(
-            _rng_states(self.runtime.device),
-            os.path.join(extra, f"rank-{self.runtime.rank:05d}.pt"),
-        )
-        if self.runtime.is_main:
-            with open(os.path.join(tmp, META), "w", encoding="utf-8") as stream:
-                json.dump(
-                    {**meta, **state.scalars(), "world_size": self.runtime.world_size},
-                    stream,
-                    indent=1,
-                )
         payload = tensors(state)
+        nbytes = _nbytes(payload)
+        failure: BaseException | None = None
+        try:
+            os.makedirs(os.path.join(tmp, "extra"), exist_ok=True)
+            storage.write_json(
+                os.path.join(tmp, "extra", f"rank-{self.runtime.rank:05d}.json"),
+                rng.capture(self.runtime.device),
+            )
+            if self.runtime.is_main:
+                storage.write_json(
+                    os.path.join(tmp, META),
+                    {
+                        **meta,
+                        **state.scalars(),
+                        "world_size": self.runtime.world_size,
+                        "run_id": self.run_id,
+                    },
+                )
+        except OSError as exc:
+            failure = exc
+        try:
+            agree(self._failed(failure, tmp, nbytes, False) if failure else None, self.runtime)
+        except TrainError:
+            self._remove(tmp)
+            raise
         if self.config.async_save and not block:
-            future = dcp.async_save(payload, checkpoint_id=tmp, process_group=self.group)
-            self.pending = Pending(state.step, future, tmp)
-        else:
-            dcp.save(payload, checkpoint_id=tmp)
-            self._commit(tmp, final)
+            future = dcp.async_save(
+                payload, storage_writer=storage.ChecksumWriter(tmp), process_group=self.group
+            )
+            self.pending = Pending(state.step, future, tmp, start, nbytes)
+            self.last_save_seconds = time.perf_counter() - start
+            return None
+        try:
+            dcp.save(payload, storage_writer=storage.ChecksumWriter(tmp))
+        except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
+            self._remove(tmp)
+            raise self._failed(exc, tmp, nbytes) from None
         self.last_save_seconds = time.perf_counter() - start
-        return final
+        return self._commit(state.step, tmp, start, background=False)
 
-    def poll(self) -> str | None:
-        """Commit a finished background save (call at step boundaries); its path, if any.
-        Rank 0's write finishing means all ranks' did: DCP gathers every rank's result
-        before writing its metadata."""
-        if self.pending is None or not self.pending.future.done():
+    def save_failed(self) -> bool:
+        """Whether the background write has failed (this rank's view; no collective)."""
+        pending = self.pending
+        return bool(pending and pending.future.done() and pending.future.exception())
+
+    def poll(self) -> Saved | None:
+        """Commit a finished background save (call at step boundaries). Rank 0's write
+        finishing means all ranks' did: DCP gathers every rank's result before writing its
+        metadata. A failed one is left for `wait`, which every rank reaches together."""
+        if self.pending is None or not self.pending.future.done() or self.save_failed():
             return None
         return self.wait()
 
-    def wait(self) -> str | None:
+    def wait(self) -> Saved | None:
         """Finish the save in flight, if any, and commit it."""
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
-        pending.future.result()  # raises what the background write raised
-        final = os.path.join(self.root, step_name(pending.step))
-        self._commit(pending.tmp, final)
-        return final
-
-    def _commit(self, tmp: str, final: str) -> None:
-        if not self.runtime.is_main:
-            return
-        if os.path.exists(final):  # the same step saved again (a resumed run's last step)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fd = os.open(self.root, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if self.config.keep:
-            for old in committed(self.root)[: -self.config.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            pending.future.result()
+        except (Exception, CheckpointException) as exc:
+            self._remove(pending.tmp)
+            raise self._failed(exc, pending.tmp, pending.nbytes) from None
+        return self._commit(pending.step, pending.tmp, pending.started, background=True)
 
-    def candidates(self) -> list[str]:
+    def _failed(
+        self, exc: BaseException, tmp: str, nbytes: int, everywhere: bool = True
+    ) -> SaveFailed:
+        step = tmp.rsplit("-", 1)[-1].lstrip("0") or "0"
+        need = nbytes * self.runtime.world_size
+        free = shutil.disk_usage(self.root if os.path.isdir(self.root) else "/").free
+        # torch's zip writer reports a failed write as "unexpected pos": the disk tells
+        if _no_space(exc) or free < need:
+            reason = (
+                f"no space left on the device holding {self.root} (the checkpoint needs "
+                f"~{need / 1e9:.2g} GB, {free / 1e9:.2g} GB are free)"
+            )
+        else:
+            reason = first_line(exc)
+        return SaveFailed(
+            f"checkpoint of step {step} not written: {reason}; the partial checkpoint was "
+            f"removed and the previous ones are kept: free space or fix it, then run the same "
+            f"command to resume",
+            everywhere,
+        )
+
+    def _remove(self, tmp: str) -> None:
+        """A save that failed leaves nothing (rank 0 removes its directory, hp's own)."""
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _commit(self, step: int, tmp: str, started: float, background: bool) -> Saved:
+        final = os.path.join(self.root, step_name(step))
+        if self.runtime.is_main:
+            seal(tmp)
+            aside = None
+            if os.path.exists(final):  # the same step saved again (after a fallback)
+                aside = os.path.join(self.root, f"{TMP}replaced-{step_name(step)}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(final, aside)
+            os.rename(tmp, final)
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            self._prune()
+        return Saved(step, final, time.perf_counter() - started, background)
+
+    def _owned(self, path: str) -> bool:
+        try:
+            owner = read_meta(path).get("run_id")
+        except CheckpointError:
+            return False  # unreadable: not provably this run's, so never deleted
+        return owner == self.run_id or (owner is None and self.legacy)
+
+    def _prune(self) -> None:
+        if not self.config.keep:
+            return
+        ours = [path for path in committed(self.root) if self._owned(path)]
+        for old in ours[: -self.config.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def candidates(self, say: Callable[[str], None]) -> list[str]:
         """What `checkpoint.resume` asks to load, newest first ([] for a fresh start)."""
         resume = self.config.resume
+        own = committed(self.root)
         if resume == "none":
+            if own:
+                raise CheckpointError(
+                    f"checkpoint.resume = 'none', but {self.root} already holds checkpoints "
+                    f"(newest {os.path.basename(own[-1])}): a fresh run there would mix with "
+                    f"them; continue it with checkpoint.resume = 'auto', or choose a new "
+                    f"train.run_dir (nothing was changed)",
+                    fallback=False,
+                )
             return []
-        if resume == "auto":
-            return list(reversed(committed(self.root)))
-        if not os.path.isdir(resume):
-            raise CheckpointError(f"checkpoint.resume = {resume!r}: no such checkpoint directory")
-        return [resume]
+        if resume != "auto" and not own:  # an explicit path seeds an empty run directory
+            if not os.path.isdir(resume):
+                raise CheckpointError(
+                    f"checkpoint.resume = {resume!r}: no such checkpoint directory",
+                    fallback=False,
+                )
+            return [resume]
+        if resume != "auto":
+            say(
+                f"hp-train: checkpoint.resume = {resume!r} seeds a run directory only while it "
+                f"has no checkpoints; {self.root} has its own: continuing from them"
+            )
+        owners = {}
+        for path in own:
+            with contextlib.suppress(CheckpointError):  # damage: met again when loaded
+                owners.setdefault(read_meta(path).get("run_id"), path)
+        if len(owners) > 1:
+            runs = ", ".join(f"{os.path.basename(p)} (run {r})" for r, p in owners.items())
+            raise CheckpointError(
+                f"{self.root} holds checkpoints of {len(owners)} runs ({runs}): move the other "
+                f"run's aside, or name one with checkpoint.resume in a new train.run_dir",
+                fallback=False,
+            )
+        return list(reversed(own))
+
+    def seeds(self, path: str) -> bool:
+        """Whether loading `path` seeds this run directory rather than continuing it."""
+        return os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root)
 
 
 def check_compatible(
@@ -275,8 +514,9 @@ def check_compatible(
     fingerprint: dict[str, Any],
     warn: Callable[[str], None],
 ) -> None:
-    """Refuse a resume that would not continue the same run: another global batch size, or
-    other data (unless `checkpoint.allow_data_change`), naming what changed."""
+    """Refuse a resume that would not continue the same run: another model, another global
+    batch size, or other data (unless `checkpoint.allow_data_change`), naming what changed."""
+    check_model(path, meta, config.model)
     saved_gbs = meta["global_batch_size"]
     if saved_gbs != global_batch_size:
         raise CheckpointError(
@@ -288,7 +528,7 @@ def check_compatible(
     changes = [
         f"data.{key} changed from {saved['config'][key]!r} to {getattr(config.data, key)!r}"
         for key in saved["config"]
-        if saved["config"][key] != getattr(config.data, key)
+        if hasattr(config.data, key) and saved["config"][key] != getattr(config.data, key)
     ]
     if not changes and not same_data(saved["fingerprint"], fingerprint):
         changes = ["the corpus files behind the data paths changed"]
@@ -303,23 +543,45 @@ def check_compatible(
     warn(f"hp-train: warning: {message}; resuming anyway (checkpoint.allow_data_change)")
 
 
-def load(path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any]) -> None:
-    """Load `path` into `state` (any layout). RNG states come back when the world size is the
-    one that saved them."""
-    payload = tensors(state)
-    metadata = _metadata(path)  # read once for both checks
-    check_shapes(path, metadata, payload["model"])
-    check_files(path, metadata)
+def _read_rng(path: str, runtime: Runtime) -> dict[str, Any] | None:
+    """This rank's saved random states (None when none were saved)."""
+    base = os.path.join(path, "extra", f"rank-{runtime.rank:05d}")
+    file = base + ".json" if os.path.exists(base + ".json") else base + ".pt"
+    if not os.path.exists(file):
+        return None
     try:
-        dcp.load(payload, checkpoint_id=path)
+        if file.endswith(".json"):
+            return storage.read_json(file)
+        return rng.read_legacy(file)  # written before hp saved them as data
+    except ValueError as exc:  # storage.Damaged, or a refused type
+        raise CheckpointError(str(exc)) from None
+    except Exception as exc:  # a cut or garbled file
+        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__})") from None
+
+
+def load(
+    path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any], config: ModelConfig
+) -> None:
+    """Load `path` into `state` (any layout), every file checked before anything is applied.
+    RNG states come back when the world size is the one that saved them."""
+    metadata = _metadata(path, meta)  # read once for every check
+    check_tensors(path, metadata, config)
+    check_files(path, metadata)
+    states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
+    payload = tensors(state)
+    try:
+        dcp.load(payload, storage_reader=storage.CheckedReader(path))
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
         raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc)}") from None
+    if states is not None:
+        try:
+            rng.restore(states, runtime.device)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"{path}/extra: random states malformed ({type(exc).__name__})"
+            ) from None
     _apply(state, payload)
     state.load_scalars(meta)
-    if meta.get("world_size") == runtime.world_size:
-        extra = os.path.join(path, "extra", f"rank-{runtime.rank:05d}.pt")
-        if os.path.exists(extra):
-            _restore_rng(torch.load(extra, weights_only=False), runtime.device)
 
 
 def first_line(exc: BaseException) -> str:

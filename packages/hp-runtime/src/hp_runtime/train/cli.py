@@ -47,6 +47,9 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
         runtime = start(config.train.device, config.train.cpu_threads)
     except TrainError as exc:
         _fail(str(exc), 1, rank)
+    # The error boundary: a failure that is not a bug reaches the user as one line. One found
+    # alike on every rank is reported by rank 0; one a rank found alone (and `agree`d on, so
+    # its peers raise PeerFailed) by that rank.
     try:
         train(config, runtime)
     except PeerFailed:
@@ -54,7 +57,10 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     except ConfigError as exc:  # found alike on every rank once the world size is known
         _fail(str(exc), 2, runtime.rank)
     except (TrainError, HpDataError) as exc:
-        _fail(str(exc), 1, 0)
+        _fail(str(exc), 1, runtime.rank if getattr(exc, "everywhere", False) else 0)
+    except OSError as exc:  # the run's own files: a full disk, a directory made read-only
+        where = f"{exc.filename}: " if exc.filename else ""
+        _fail(f"{where}{exc.strerror or exc}", 1, 0)
     finally:
         stop()
 

@@ -20,6 +20,14 @@ from hp_runtime.train.launch import TrainError
 class NonFiniteLoss(TrainError):
     """The loss or the gradient norm is NaN or infinite."""
 
+    everywhere = True  # every rank holds the same reduced values
+
+
+class SpikeStop(TrainError):
+    """A spike with `train.spike_action = 'stop'`."""
+
+    everywhere = True
+
 
 def check_finite(step: int, loss: float, grad_norm: float, samples: tuple[int, int]) -> None:
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):

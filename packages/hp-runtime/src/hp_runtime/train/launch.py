@@ -23,6 +23,7 @@ class TrainError(RuntimeError):
     """A run that cannot go on; the message is one line for the user."""
 
     fallback = False  # whether resuming may try an older checkpoint instead
+    everywhere = False  # raised alike on every rank (then rank 0 alone reports it)
 
 
 class PeerFailed(TrainError):

@@ -13,9 +13,10 @@ from typing import TextIO
 
 import torch
 
+from hp_runtime.train.checkpoint import Saved
 from hp_runtime.train.config import Config
 from hp_runtime.train.data import BatchPlan, Loader
-from hp_runtime.train.guard import check_finite
+from hp_runtime.train.guard import SpikeStop, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals, TrainError
 from hp_runtime.train.metrics import LaggedValues, MetricsLog
 from hp_runtime.train.plot import plot_run
@@ -25,6 +26,7 @@ from hp_runtime.train.state import TrainState
 from hp_runtime.train.step import Stepper
 
 TIME_LIMIT_FLAG = float(2**20)  # the clock adds this to the stop flag; a signal adds 1 a rank
+SAVE_FAILED_FLAG = float(2**21)  # a rank whose background save failed adds this
 
 
 @dataclass
@@ -80,8 +82,29 @@ def train(
         check_finite(step, loss, norm, state.samples_of(step))
         result.losses[step], result.grad_norms[step] = loss, norm
         if stop > 0 and result.stopped_by is None:
-            by_clock = stop >= TIME_LIMIT_FLAG
-            result.stopped_by = "train.time_limit" if by_clock else signals.received or "signal"
+            if stop >= SAVE_FAILED_FLAG:  # every rank stops here; `wait` raises the failure
+                result.stopped_by = "a failed checkpoint save"
+            elif stop >= TIME_LIMIT_FLAG:
+                result.stopped_by = "train.time_limit"
+            else:
+                result.stopped_by = signals.received or "signal"
+
+    def committed(saved: Saved | None) -> None:
+        """Log a checkpoint once it is committed (never one still being written)."""
+        if saved is None:
+            return
+        metrics.write(
+            {
+                "kind": "checkpoint",
+                "step": saved.step,
+                "path": saved.path,
+                "seconds": saved.seconds,
+                "async": saved.background,
+            }
+        )
+        metrics.say(
+            f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
+        )
 
     def near_time_limit() -> bool:
         """Rank 0's clock: stop when two more steps and a save would pass the limit."""
@@ -101,6 +124,7 @@ def train(
                 micro = loader.take(plan.accumulation) if loader is not None else []
                 stop_flag = float(signals.received is not None)
                 stop_flag += TIME_LIMIT_FLAG if near_time_limit() else 0.0
+                stop_flag += SAVE_FAILED_FLAG if run.checkpointer.save_failed() else 0.0
                 loss, stop = stepper.train_step(micro, plan.accumulation, stop_flag)
                 norm = run.assembly.finish_gradients(t.max_norm)
                 values = torch.stack([loss, norm.float(), stop])
@@ -112,7 +136,7 @@ def train(
                 state.optimizer.zero_grad(set_to_none=True)
                 state.advance()
                 settle(lagged.push(step, values))
-                run.checkpointer.poll()
+                committed(run.checkpointer.poll())
                 step_times.append(time.perf_counter() - step_start)
 
                 last = step == t.steps
@@ -141,21 +165,13 @@ def train(
                 if (interval and (step % interval == 0 or last)) or result.stopped_by:
                     settle(lagged.flush())
                     block = bool(result.stopped_by) or not config.checkpoint.async_save
-                    path = run.checkpointer.save(state, run.meta, block=block)
-                    seconds = run.checkpointer.last_save_seconds
-                    metrics.write(
-                        {
-                            "kind": "checkpoint",
-                            "step": step,
-                            "path": path,
-                            "seconds": seconds,
-                            "async": not block,
-                        }
-                    )
-                    metrics.say(
-                        f"hp-train: checkpoint of step {step}: {path} ({seconds:.2f} s"
-                        + (" before writing in the background)" if not block else ")")
-                    )
+                    saved = run.checkpointer.save(state, run.meta, block=block)
+                    committed(saved)
+                    if saved is None:
+                        metrics.say(
+                            f"hp-train: checkpoint of step {step}: writing in the background "
+                            f"({run.checkpointer.last_save_seconds:.2f} s to stage it)"
+                        )
                     boundary = True
                 if boundary:
                     metrics.mark(step)
@@ -164,7 +180,7 @@ def train(
                 if result.stopped_by:
                     break
             settle(lagged.flush())
-            run.checkpointer.wait()
+            committed(run.checkpointer.wait())
         result.seconds = time.perf_counter() - started
         status = "completed" if result.stopped_by is None else f"stopped by {result.stopped_by}"
         metrics.write(
@@ -214,7 +230,7 @@ def guard_step(
     first, end = state.samples_of(step)
     message = f"step {step}: {reason} (samples {first} to {end - 1})"
     if state.guard.action == "stop":
-        raise TrainError(message + "; stopping (train.spike_action = 'stop')")
+        raise SpikeStop(message + "; stopping (train.spike_action = 'stop')")
     metrics.say(message + "; update skipped")
     metrics.write({"kind": "skip", "step": step, "reason": reason, "samples": [first, end]})
     result.skipped.append(step)

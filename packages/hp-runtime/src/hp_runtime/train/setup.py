@@ -13,7 +13,13 @@ import torch
 
 from hp_runtime import __version__
 from hp_runtime.parallel import Assembly, ParallelDims, ParallelOptions, assemble
-from hp_runtime.train.checkpoint import Checkpointer, check_compatible, load, read_meta
+from hp_runtime.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_compatible,
+    load,
+    read_meta,
+)
 from hp_runtime.train.config import Config, ConfigError, to_toml
 from hp_runtime.train.data import (
     BatchPlan,
@@ -119,6 +125,7 @@ def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
 
 def resume(
     checkpointer: Checkpointer,
+    candidates: list[str],
     state: TrainState,
     config: Config,
     datasets: Datasets,
@@ -128,7 +135,7 @@ def resume(
     """Load the checkpoint `checkpoint.resume` names; the newest of a run falls back to the
     one before when it cannot be loaded (never silently to a fresh start)."""
     failures = []
-    for path in checkpointer.candidates():
+    for number, path in enumerate(candidates, 1):
         failure = None
         try:
             meta = read_meta(path)
@@ -140,17 +147,24 @@ def resume(
                 datasets.fingerprint,
                 say if runtime.is_main else lambda _: None,
             )
-            load(path, state, runtime, meta)
+            load(path, state, runtime, meta, config.model)
         except TrainError as exc:
             if not exc.fallback:  # a run that does not fit the checkpoint: the user decides
                 raise
             failure = exc
         if not any_rank(failure is not None, runtime):
+            if not checkpointer.seeds(path):
+                checkpointer.adopt(meta)
             return path
         failures.append(str(failure or "another rank could not load it"))
-        say(f"hp-train: warning: {failures[-1]}; trying the checkpoint before it")
+        if number < len(candidates):
+            say(f"hp-train: warning: {failures[-1]}; trying the checkpoint before it")
+    if failures and len(candidates) == 1 and checkpointer.seeds(candidates[0]):
+        raise CheckpointError(f"checkpoint.resume = {candidates[0]!r}: {failures[-1]}", False)
     if failures:
-        raise TrainError(f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}")
+        raise CheckpointError(
+            f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}", False
+        )
     return None
 
 
@@ -173,6 +187,13 @@ class Run:
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
     t = config.train
     plan = check_layout(config, runtime)
+
+    def say(line: str) -> None:
+        if runtime.is_main:
+            print(line, file=stream, flush=True)
+
+    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime)
+    candidates = checkpointer.candidates(say)  # what to resume, decided before any write
     if runtime.is_main:
         write_config(config, t.run_dir)
         print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
@@ -192,15 +213,9 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
     )
     guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
     state = TrainState(assembly.modules, optimizer, plan.global_batch_size, guard)
-
-    def say(line: str) -> None:
-        if runtime.is_main:
-            print(line, file=stream, flush=True)
-
-    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime)
     checkpointer.clean()
     load_start = time.perf_counter()
-    resumed = resume(checkpointer, state, config, datasets, runtime, say)
+    resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)
     load_seconds = time.perf_counter() - load_start
     if resumed is not None:
         say(
