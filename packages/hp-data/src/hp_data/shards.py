@@ -80,7 +80,9 @@ def _size_problem(path: str, expected: dict[str, Any]) -> str | None:
     except FileNotFoundError:
         return f"{path}: missing, but its shard manifest records it"
     if found != expected["bytes"]:
-        return f"{path}: {found:,} bytes, but its shard manifest records {expected['bytes']:,}"
+        return (
+            f"{path}: {found:,} bytes, but its shard manifest records {expected['bytes']:,} bytes"
+        )
     return None
 
 
