@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
+import xxhash
 from click.testing import CliRunner
 from hp_data import PreprocessError
 from hp_data.cli import main
@@ -176,3 +179,142 @@ def test_the_slurm_array_scripts_give_the_one_machine_bytes(tmp_path, corpus, ex
     assert read_bytes(tmp_path / "many", metadata=True) == read_bytes(
         tmp_path / "one", metadata=True
     )
+
+
+# -- merge --shards checks each shard's files against the sizes and checksums of its manifest
+
+SHARDED = {"num_shards": 3, "unit_bytes": 20_000, "append_eod": True, "dedup": "exact"}
+USER_FILES = {
+    "notes.txt": b"my notes\n",
+    "sub/kept.jsonl": b'{"text": "mine"}\n',
+    "x2.bin": b"not hp's",  # named like another dataset's files
+    "x2.idx": b"not hp's either",
+    "x.txt": b"named like the prefix",
+}
+
+
+def _write_user_files(directory: Path) -> None:
+    for name, data in USER_FILES.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+
+
+def _assert_user_files_intact(directory: Path) -> None:
+    for name, data in USER_FILES.items():
+        assert (directory / name).read_bytes() == data, name
+
+
+def _shard(directory: Path, index: int, suffix: str) -> Path:
+    return directory / f"x.shard-{index:05d}-of-00003{suffix}"
+
+
+@pytest.fixture(scope="module")
+def finished_shards(tmp_path_factory, corpus, example_tokenizer) -> Path:
+    """Three finished shards of the two small files (with dedup, so `.hashes` too) and a
+    one-machine run of the same command, `one`, to compare with."""
+    directory = tmp_path_factory.mktemp("shards")
+    for index in range(3):
+        run_preprocess(
+            corpus[1:3], directory / "x", example_tokenizer, shard_index=index, **SHARDED
+        )
+    options = {k: v for k, v in SHARDED.items() if k != "num_shards"}
+    run_preprocess(corpus[1:3], directory / "one", example_tokenizer, **options)
+    return directory
+
+
+def _copy_over(out: Path) -> tuple[int, str]:
+    """The reported case: shard 0's .bin and .idx copied over shard 1's."""
+    expected = f"{_shard(out, 1, '.bin').stat().st_size:,} bytes"
+    for suffix in (".bin", ".idx"):
+        _shard(out, 1, suffix).write_bytes(_shard(out, 0, suffix).read_bytes())
+    found = f"{_shard(out, 1, '.bin').stat().st_size:,} bytes"
+    return 1, f"x.shard-00001-of-00003.bin: {found}, but its shard manifest records {expected}"
+
+
+def _flip_a_byte(out: Path) -> tuple[int, str]:
+    path = _shard(out, 2, ".bin")
+    data = bytearray(path.read_bytes())
+    before = xxhash.xxh3_128_hexdigest(bytes(data))
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    after = xxhash.xxh3_128_hexdigest(bytes(data))
+    return (
+        2,
+        f"{path.name}: content differs from its shard manifest (xxh3-128 {after}, "
+        f"recorded {before})",
+    )
+
+
+def _truncate_the_idx(out: Path) -> tuple[int, str]:
+    path = _shard(out, 0, ".idx")
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:-8])
+    return 0, f"{path.name}: {size - 8:,} bytes, but its shard manifest records {size:,} bytes"
+
+
+def _old_manifest(out: Path) -> tuple[int, str]:
+    """A manifest as hp-data wrote it before checksums: version 1, no `files`."""
+    path = _shard(out, 1, ".json")
+    manifest = json.loads(path.read_text())
+    del manifest["files"]
+    path.write_text(json.dumps({**manifest, "version": 1}))
+    return 1, f"{path.name}: a shard manifest of version 1, not 2"
+
+
+@pytest.mark.parametrize("damage", [_copy_over, _flip_a_byte, _truncate_the_idx, _old_manifest])
+def test_merge_refuses_shard_files_unlike_their_manifest_and_a_rerun_mends_it(
+    tmp_path, finished_shards, corpus, example_tokenizer, damage
+):
+    out = tmp_path / "out"
+    shutil.copytree(finished_shards, out)
+    _write_user_files(out)
+    index, problem = damage(out)
+    result = CliRunner().invoke(main, ["merge", str(out / "x"), "--shards", "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and problem in result.stderr, result.stderr
+    assert f"rerun shard {index} (--num-shards 3 --shard-index {index})" in result.stderr
+    assert not list(out.glob("x.[bih]*")) and not list(out.glob(".x.*")), "nothing at x"
+    _assert_user_files_intact(out)
+    # Doing as told: the rerun sees the damage (it does not skip a 'finished' shard), and
+    # the merge then gives the one-machine bytes.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_preprocess(corpus[1:3], out / "x", example_tokenizer, shard_index=index, **SHARDED)
+    merge_shards(str(out / "x"))
+    assert read_bytes(out / "x", metadata=True) == read_bytes(out / "one", metadata=True)
+    _assert_user_files_intact(out)
+
+
+def test_preprocess_and_merge_leave_the_users_other_files_alone(
+    tmp_path, corpus, example_tokenizer
+):
+    """Output in a directory the user keeps other things in: whether the commands succeed or
+    fail, those files, and the datasets of earlier commands, keep their bytes."""
+    out = tmp_path / "data"
+    out.mkdir()
+    _write_user_files(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(corpus[1].read_bytes() + b'{"text": 5}\n')
+    tokenizer = ["--tokenizer", str(example_tokenizer), "--workers", "1", "--quiet"]
+
+    def hp_data(*args: object) -> int:
+        return CliRunner().invoke(main, [str(a) for a in args]).exit_code
+
+    assert hp_data("preprocess", corpus[1], "--out", out / "x", *tokenizer) == 0
+    # Prefixes that are the names of a user's file and directory, plus their suffixes.
+    assert hp_data("preprocess", corpus[2], "--out", out / "notes.txt", *tokenizer) == 0
+    assert hp_data("preprocess", corpus[2], "--out", out / "sub", *tokenizer) == 0
+    # (`sub` alone names the directory, which merge reads as its *.idx files.)
+    assert hp_data("merge", out / "m", out / "x", out / "sub.idx", "--quiet") == 0
+    written = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    failing = [
+        ("preprocess", bad, "--out", out / "x", "--unit-mb", "0.01", *tokenizer),
+        ("preprocess", corpus[1], "--out", out / "x", "--tokenizer", out / "notes.txt"),
+        ("merge", out / "m", out / "x", out / "x2", "--quiet"),
+        ("merge", out / "m", out / "sub", "--quiet"),  # a directory without .idx files
+        ("merge", out / "x", "--shards", "--quiet"),
+    ]
+    for args in failing:
+        assert hp_data(*args) == 1, args
+    _assert_user_files_intact(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == written

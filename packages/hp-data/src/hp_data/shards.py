@@ -3,14 +3,16 @@
 `hp-data preprocess ... --num-shards N --shard-index I --out PREFIX` processes group I of the
 plan's units (plan.py) into `PREFIX.shard-0000I-of-0000N.bin/.idx` (per key, after Megatron's
 key suffix) and, once those are committed, a manifest `PREFIX.shard-0000I-of-0000N.json`:
-the run's configuration and plan fingerprints, the units it covers, the outputs and counts.
-With `--dedup exact` the shard drops duplicates within itself and keeps the 128-bit hashes of
-what it wrote (`.hashes`), so that the merge can keep first occurrences in global order.
+the run's configuration and plan fingerprints, the units it covers, the outputs and counts,
+and the size and xxh3-128 of each file the shard wrote (`files`). With `--dedup exact` the
+shard drops duplicates within itself and keeps the 128-bit hashes of what it wrote
+(`.hashes`), so that the merge can keep first occurrences in global order.
 
 `hp-data merge PREFIX --shards` checks every shard's manifest (all N present, one
-configuration, one plan, units tiling it without gap or overlap) before writing anything, then
-streams the shards into `PREFIX.bin/.idx` in order. The result is byte-identical to a
-one-machine run of the same inputs and options.
+configuration, one plan, units tiling it without gap or overlap) and every shard's files
+against their recorded sizes and checksums before writing anything, then streams the shards
+into `PREFIX.bin/.idx` in order. The result is byte-identical to a one-machine run of the
+same inputs and options.
 """
 
 from __future__ import annotations
@@ -19,26 +21,82 @@ import glob
 import json
 import os
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
-from hp_data.format.header import bin_path, idx_path, prefix_of
+from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of
 from hp_data.format.metadata import shared_metadata
 from hp_data.format.reader import IndexedDataset
 from hp_data.plan import fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
 from hp_data.readers import Shard
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2 added `files`, the size and checksum of each file of the shard
 _NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
 _FIELDS = {"version", "config", "plan", "units", "total_units", "outputs", "hashes", "summary"}
+_READ = 16 << 20
+
+
+def file_record(path: str, on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """`{"bytes", "xxh3_128"}` of the file at `path`, read once in 16 MiB blocks."""
+    digest, size = xxhash.xxh3_128(), 0
+    with open(path, "rb") as stream:
+        while block := stream.read(_READ):
+            digest.update(block)
+            size += len(block)
+            if on_bytes is not None:
+                on_bytes(len(block))
+    return {"bytes": size, "xxh3_128": digest.hexdigest()}
+
+
+def _shard_files(outputs: dict[str, str], hashes: str | None) -> list[str]:
+    """The paths of every file a shard wrote: each key's `.bin`, `.idx` and `.hp.json`
+    (when written), then its `.hashes`."""
+    paths = []
+    for prefix in outputs.values():
+        paths += [bin_path(prefix), idx_path(prefix)]
+        if os.path.exists(metadata_path(prefix)):
+            paths.append(metadata_path(prefix))
+    return [*paths, hashes] if hashes else paths
+
+
+def _rerun(index: int, count: int) -> str:
+    return f"rerun shard {index} (--num-shards {count} --shard-index {index}) and merge again"
+
+
+def _size_problem(path: str, expected: dict[str, Any]) -> str | None:
+    """What is wrong with the size of the file at `path`, or None."""
+    try:
+        found = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"{path}: missing, but its shard manifest records it"
+    if found != expected["bytes"]:
+        return (
+            f"{path}: {found:,} bytes, but its shard manifest records {expected['bytes']:,} bytes"
+        )
+    return None
+
+
+def _checksum_problem(
+    path: str, expected: dict[str, Any], on_bytes: Callable[[int], None] | None = None
+) -> str | None:
+    """What is wrong with the content of the file at `path`, or None."""
+    found = file_record(path, on_bytes)["xxh3_128"]
+    if found != expected["xxh3_128"]:
+        return (
+            f"{path}: content differs from its shard manifest (xxh3-128 {found}, "
+            f"recorded {expected['xxh3_128']})"
+        )
+    return None
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -95,11 +153,20 @@ class ShardTask:
             and manifest.get("config") == self.config
             and manifest.get("plan") == self.plan
             and manifest.get("units") == [self.units.start, self.units.stop]
+            and _files_ok(manifest)
         )
+        if not same:
+            return None
         for prefix in outputs.values():
             recover(prefix)
-        present = all(os.path.exists(idx_path(p)) for p in outputs.values())
-        return manifest["summary"] if same and present else None
+        directory = os.path.dirname(self.manifest_path)
+        for name, expected in manifest["files"].items():
+            path = os.path.join(directory, name)
+            problem = _size_problem(path, expected) or _checksum_problem(path, expected)
+            if problem is not None:
+                warnings.warn(f"{problem}; processing shard {self.index} again", stacklevel=2)
+                return None
+        return manifest["summary"]
 
     def commit(
         self, outputs: dict[str, str], unit_hashes: list[str] | None, summary: dict[str, Any]
@@ -129,9 +196,28 @@ class ShardTask:
             "inputs": [list(identity) for identity in self.inputs],
             "outputs": {key: os.path.basename(p) for key, p in outputs.items()},
             "hashes": os.path.basename(hashes) if hashes else None,
+            # Read back once after the commit: the `.bin` was copied in the kernel
+            # (copy_file_range), so its bytes never passed through here to be hashed.
+            "files": {
+                os.path.basename(path): file_record(path) for path in _shard_files(outputs, hashes)
+            },
             "summary": summary,
         }
         _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
+
+
+def _files_ok(manifest: dict[str, Any]) -> bool:
+    """Whether `files` records a size and checksum for each of the shard's datasets' files."""
+    files, outputs = manifest.get("files"), manifest.get("outputs")
+    if not isinstance(files, dict) or not isinstance(outputs, dict):
+        return False
+    if not all(isinstance(name, str) for name in outputs.values()):
+        return False
+    wanted = [name + suffix for name in outputs.values() for suffix in (".bin", ".idx")]
+    return all(name in files for name in wanted) and all(
+        isinstance(f, dict) and type(f.get("bytes")) is int and isinstance(f.get("xxh3_128"), str)
+        for f in files.values()
+    )
 
 
 def _manifests(base: str) -> list[dict[str, Any]]:
@@ -162,7 +248,18 @@ def _manifests(base: str) -> list[dict[str, Any]]:
         if not isinstance(manifest, dict) or not manifest.keys() >= _FIELDS:
             raise PreprocessError(
                 f"{path}: not a shard manifest of hp-data (needs {', '.join(sorted(_FIELDS))}); "
-                f"rerun shard {index}"
+                + _rerun(index, count)
+            )
+        if manifest["version"] != MANIFEST_VERSION:
+            raise PreprocessError(
+                f"{path}: a shard manifest of version {manifest['version']}, not "
+                f"{MANIFEST_VERSION} (older ones record no checksums of the shard's files); "
+                + _rerun(index, count)
+            )
+        if not _files_ok(manifest):
+            raise PreprocessError(
+                f"{path}: its 'files' does not give the size and xxh3_128 of each of the "
+                "shard's files; " + _rerun(index, count)
             )
         manifest["path"] = path
         manifests.append(manifest)
@@ -176,7 +273,7 @@ def _manifests(base: str) -> list[dict[str, Any]]:
                     "rerun it with the same command line"
                 )
         start, stop = manifest["units"]
-        if start != covered or manifest.get("version") != MANIFEST_VERSION:
+        if start != covered:
             raise PreprocessError(
                 f"{manifest['path']}: covers units {start} to {stop}, but the shards before it "
                 f"end at {covered}; rerun it with the same command line"
@@ -187,6 +284,31 @@ def _manifests(base: str) -> list[dict[str, Any]]:
             f"{base}: the shards cover {covered} of {first['total_units']} units; rerun the last"
         )
     return manifests
+
+
+def _verify(manifests: list[dict[str, Any]], directory: str, show_progress: bool) -> Progress:
+    """Check every shard's files as its manifest records them: all sizes first (a truncated
+    or swapped file is found without reading anything), then all checksums. Returns the
+    merge's progress bar, one over this read and the copy that follows."""
+    count = len(manifests)
+    files = [
+        (os.path.join(directory, name), expected, index)
+        for index, manifest in enumerate(manifests)
+        for name, expected in manifest["files"].items()
+    ]
+    for path, expected, index in files:
+        if (problem := _size_problem(path, expected)) is not None:
+            raise PreprocessError(f"{problem}; {_rerun(index, count)}")
+    copied = sum(
+        m["files"][name + ".bin"]["bytes"] for m in manifests for name in m["outputs"].values()
+    )
+    progress = Progress(
+        sum(f["bytes"] for _, f, _ in files) + copied, "merge", enabled=show_progress
+    )
+    for path, expected, index in files:
+        if (problem := _checksum_problem(path, expected, progress.add_bytes)) is not None:
+            raise PreprocessError(f"{problem}; {_rerun(index, count)}")
+    return progress
 
 
 def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]:
@@ -203,14 +325,11 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
     for shard in sources:
         for prefix in shard.values():
             recover(prefix)
-            if not os.path.exists(bin_path(prefix)) or not os.path.exists(idx_path(prefix)):
-                raise PreprocessError(f"{prefix}: a finished shard's dataset is missing")
+    progress = _verify(manifests, directory, show_progress)
     with IndexedDataset(sources[0][keys[0]], validate=False) as first:
         dtype = first.dtype
     # A shard's output is its one-machine counterpart's name plus `.shard-I-of-N`.
     finals = {key: sources[0][key][: -len(".shard-00000-of-00000")] for key in keys}
-    total = sum(os.path.getsize(bin_path(p)) for shard in sources for p in shard.values())
-    progress = Progress(total, "merge", enabled=show_progress)
     seen = HashSet() if dedup else None
     builders = [
         IndexedDatasetBuilder(
