@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +36,9 @@ PATCHED = [
 ]
 
 
-def _kill_before(step: int) -> None:
+def _kill_before(step: int, extra: Sequence[tuple[object, str]] = ()) -> None:
     calls = 0
-    for module, name in PATCHED:
+    for module, name in [*PATCHED, *extra]:
         original = getattr(module, name)
 
         def patched(*args, _original=original, **kwargs):
@@ -51,14 +51,17 @@ def _kill_before(step: int) -> None:
         setattr(module, name, patched)
 
 
-def _in_child(job: Callable[[], None], step: int | None) -> bool:
-    """Run `job` in a forked child; True when it was killed."""
+def _in_child(
+    job: Callable[[], None], step: int | None, extra: Sequence[tuple[object, str]] = ()
+) -> bool:
+    """Run `job` in a forked child; True when it was killed. `extra` (module, name) pairs
+    are kill points besides PATCHED."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             if step is not None:
-                _kill_before(step)
+                _kill_before(step, extra)
             job()
         except BaseException as exc:  # reported by the exit code
             print(f"job failed: {exc!r}", file=sys.stderr)

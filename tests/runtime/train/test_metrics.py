@@ -3,8 +3,14 @@ count; no MFU for a device whose peak is unknown."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from click.testing import CliRunner
 from hp_runtime.model import Transformer, preset
 from hp_runtime.train.metrics import peak_for_name
 
@@ -62,3 +68,69 @@ def test_peak_table():
     assert peak_for_name("NVIDIA H200") == 989.4
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_for_name("Tesla T4") is None
+
+
+def _plot(*args: object):
+    from hp_runtime.train.cli import plot_command
+
+    return CliRunner().invoke(plot_command, [str(a) for a in args])
+
+
+def _copy_run(tiny_run: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(tiny_run / "metrics.jsonl", run / "metrics.jsonl")
+    return run
+
+
+def test_plot_ignores_a_last_line_cut_by_a_kill(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from hp_runtime.train.plot import read_records
+
+    run = _copy_run(tiny_run, tmp_path)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) >= 4
+    (run / "metrics.jsonl").write_text("".join(lines[:-1]) + lines[-1][:9])  # no newline
+    assert read_records(str(run)) == [json.loads(line) for line in lines[:-1]]
+    (run / "metrics.png.tmp.png").write_bytes(b"the user's")  # the name plot used to take
+    done = _plot(run)
+    assert done.exit_code == 0, done.stderr
+    assert (run / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "metrics.png.tmp.png").read_bytes() == b"the user's"
+    assert sorted(os.listdir(run)) == ["metrics.jsonl", "metrics.png", "metrics.png.tmp.png"]
+    # a line cut anywhere else is damage, not a kill: refused by its number
+    (run / "metrics.jsonl").write_text(lines[0] + lines[1][:9] + "\n" + "".join(lines[2:]))
+    done = _plot(run)
+    assert done.exit_code == 1
+    assert done.stderr.splitlines() == [
+        f"hp-train: error: {run / 'metrics.jsonl'}:2: not a JSON record"
+    ]
+
+
+def test_plot_bad_targets_are_one_line(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    run = _copy_run(tiny_run, tmp_path)
+    (tmp_path / "file.txt").write_text("a file")
+    cases = [
+        ([run, "--out", tmp_path], f"--out {tmp_path}: is a directory; give a file path such "
+         f"as {tmp_path}/loss.png"),
+        ([run, "--out", tmp_path / "no" / "x.png"], f"--out {tmp_path / 'no' / 'x.png'}: "
+         f"{tmp_path / 'no'} does not exist"),
+        ([run, "--out", tmp_path / "file.txt" / "x.png"],
+         f"--out {tmp_path / 'file.txt' / 'x.png'}: {tmp_path / 'file.txt'} is not a directory"),
+        ([tmp_path / "file.txt"], f"{tmp_path / 'file.txt'} is not a directory; give a hp-train "
+         "run directory"),
+        ([tmp_path / "none"], f"{tmp_path / 'none'} does not exist; give a hp-train run "
+         "directory"),
+    ]  # fmt: skip
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "locked").mkdir(mode=0o555)
+        out = tmp_path / "locked" / "x.png"
+        cases.append(([run, "--out", out], f"--out {out}: cannot write in {out.parent} "
+                      "(permission denied)"))  # fmt: skip
+    before = sorted(tmp_path.rglob("*"))
+    for args, message in cases:
+        done = _plot(*args)
+        assert done.exit_code == 1, args
+        assert done.stderr.splitlines() == [f"hp-train: error: {message}"]
+    assert sorted(tmp_path.rglob("*")) == before

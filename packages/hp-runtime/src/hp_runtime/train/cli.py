@@ -98,7 +98,12 @@ def _size(text: str) -> int:
 
 @click.command()
 @click.argument("checkpoint", type=str)
-@click.option("--out", required=True, type=str, help="The HF directory to write.")
+@click.option(
+    "--out",
+    required=True,
+    type=str,
+    help="The HF directory to write: new, empty, or a previous export (never anything else).",
+)
 @click.option(
     "--dtype",
     type=click.Choice(["bfloat16", "float16", "float32"]),
@@ -108,6 +113,7 @@ def _size(text: str) -> int:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Per safetensors file.")
 def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -> None:
     """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF Llama directory."""
+    from hp_runtime.train.exportdir import leftovers
     from hp_runtime.train.hf import export_checkpoint
 
     try:
@@ -115,6 +121,8 @@ def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -
     except (TrainError, ValueError) as exc:
         _fail(str(exc), 1, 0)
     click.echo(f"wrote {out}: config.json, {', '.join(files)}")
+    for name in leftovers(out):
+        click.echo(f"hp-train: note: {name} beside {out} is from an interrupted export; remove it")
 
 
 SUBCOMMANDS = {"plot": plot_command, "export": export_command}

@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from hp_runtime.model import ModelConfig, canonical_name
+from hp_runtime.train.checkpoint import first_line
+from hp_runtime.train.exportdir import ExportTarget
 from hp_runtime.train.launch import TrainError
 
 _LAYER = {
@@ -76,33 +78,166 @@ def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
     }
 
 
+_REQUIRED = object()
+# config.json's shape fields: the ModelConfig field each sets, and transformers' LlamaConfig
+# default when absent (num_key_value_heads: num_attention_heads).
+_SHAPE: dict[str, tuple[str, Any]] = {
+    "vocab_size": ("vocab_size", _REQUIRED),
+    "hidden_size": ("dim", _REQUIRED),
+    "intermediate_size": ("ffn_hidden", _REQUIRED),
+    "num_hidden_layers": ("n_layers", _REQUIRED),
+    "num_attention_heads": ("n_heads", _REQUIRED),
+    "num_key_value_heads": ("n_kv_heads", None),
+    "max_position_embeddings": ("max_seq_len", 2048),
+    "rms_norm_eps": ("norm_eps", 1e-6),
+    "tie_word_embeddings": ("tie_embeddings", False),
+}
+# Fields of a Llama config that change the model: hp implements transformers' default only.
+_FIXED: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "pretraining_tp": 1,
+    "is_encoder_decoder": False,
+    "is_decoder": False,
+    "add_cross_attention": False,
+    "tie_encoder_decoder": False,
+    "cross_attention_hidden_size": None,
+    "chunk_size_feed_forward": 0,
+    "pruned_heads": {},
+}
+# Bookkeeping transformers writes (names, token ids, generation and output defaults): the
+# weights and the forward pass do not depend on them, so any value is accepted.
+_BOOKKEEPING = frozenset(
+    """transformers_version _name_or_path torch_dtype dtype bos_token_id eos_token_id
+    pad_token_id sep_token_id decoder_start_token_id initializer_range use_cache
+    output_hidden_states output_attentions return_dict id2label label2id problem_type
+    tokenizer_class prefix task_specific_params finetuning_task torchscript use_bfloat16
+    tf_legacy_loss max_length min_length do_sample early_stopping num_beams num_beam_groups
+    diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
+    no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
+    output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens
+    begin_suppress_tokens""".split()
+)
+_KNOWN = {
+    *_SHAPE, *_FIXED, *_BOOKKEEPING,
+    "rope_theta", "rope_parameters", "rope_scaling", "head_dim", "architectures",
+}  # fmt: skip
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """`value` is `default` as JSON means it (true is not 1, 0 is 0.0)."""
+    if isinstance(default, bool) or default is None:
+        return value is default
+    if isinstance(default, int | float):
+        return isinstance(value, int | float) and not isinstance(value, bool) and value == default
+    return type(value) is type(default) and value == default
+
+
+def _positive(path: str, key: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+    if not ok or value <= 0:
+        noun = "a positive integer" if kind is int else "a positive number"
+        raise TrainError(f"{path}: {key}={_json(value)} must be {noun}")
+    return value
+
+
+def _rope_theta(path: str, hf: dict[str, Any]) -> float:
+    """Plain rotary only: rope_parameters / rope_scaling may say "default" and a theta, which
+    must agree with rope_theta where several give it."""
+    thetas = {}
+    if "rope_theta" in hf:
+        thetas["rope_theta"] = hf["rope_theta"]
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if rope is None:
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else 0
+        if not isinstance(rope, dict) or kind != "default":
+            raise TrainError(f"{path}: {key} {_json(rope)} is not supported (plain rotary only)")
+        for field in rope:
+            if field not in ("rope_type", "type", "rope_theta"):
+                raise TrainError(
+                    f"{path}: {key}.{field}={_json(rope[field])} is not supported "
+                    "(plain rotary only)"
+                )
+        if "rope_theta" in rope:
+            thetas[f"{key}.rope_theta"] = rope["rope_theta"]
+    for key, value in thetas.items():
+        _positive(path, key, value, float)
+    if len(set(thetas.values())) > 1:
+        given = ", ".join(f"{k}={_json(v)}" for k, v in thetas.items())
+        raise TrainError(f"{path}: {given} disagree; give one rotary theta")
+    return float(next(iter(thetas.values()), 10000.0))
+
+
 def model_config_from_hf(directory: str) -> dict[str, Any]:
-    """The `ModelConfig` fields an HF Llama `config.json` describes."""
+    """The `ModelConfig` fields an HF Llama `config.json` describes. Every field must be one
+    hp implements (or bookkeeping): anything else would load a model hp computes differently,
+    so it is refused by name."""
     path = os.path.join(directory, "config.json")
     try:
         with open(path, encoding="utf-8") as stream:
             hf = json.load(stream)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise TrainError(f"{path}: cannot read an HF config ({exc})") from None
-    if hf.get("model_type") not in (None, "llama"):
-        raise TrainError(f"{path}: model_type {hf.get('model_type')!r}; hp loads Llama models")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise TrainError(f"{path}: rope scaling {rope!r} is not supported (plain rotary only)")
-    return {
-        "vocab_size": hf["vocab_size"],
-        "dim": hf["hidden_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        "ffn_hidden": hf["intermediate_size"],
-        "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "rope_theta": float(
-            (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-        ),
-        "norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "tie_embeddings": hf.get("tie_word_embeddings", False),
-    }
+    if not isinstance(hf, dict):
+        raise TrainError(f"{path}: not a JSON object (an HF config.json?)")
+    for key in hf:
+        if key not in _KNOWN:
+            raise TrainError(
+                f"{path}: {key} is not a field hp's Llama implements; hp loads plain Llama "
+                "models only"
+            )
+    for key, default in _FIXED.items():
+        if key in hf and not _same(hf[key], default):
+            raise TrainError(
+                f"{path}: {key}={_json(hf[key])} is not supported; hp's Llama has "
+                f"{key}={_json(default)} only"
+            )
+    if hf.get("architectures") not in (None, ["LlamaForCausalLM"]):
+        raise TrainError(
+            f"{path}: architectures={_json(hf['architectures'])}; hp loads LlamaForCausalLM"
+        )
+    fields: dict[str, Any] = {}
+    for key, (field, default) in _SHAPE.items():
+        value = hf.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise TrainError(f"{path}: {key} is missing; an HF Llama config.json gives it")
+            value = fields["n_heads"] if field == "n_kv_heads" else default
+        if field == "tie_embeddings":
+            if not isinstance(value, bool):
+                raise TrainError(f"{path}: {key}={_json(value)} must be true or false")
+        else:
+            _positive(path, key, value, float if field == "norm_eps" else int)
+        fields[field] = value
+    fields["rope_theta"] = _rope_theta(path, hf)
+    for whole, part in (
+        ("hidden_size", "num_attention_heads"),
+        ("num_attention_heads", "num_key_value_heads"),
+    ):
+        dividend, divisor = fields[_SHAPE[whole][0]], fields[_SHAPE[part][0]]
+        if dividend % divisor:
+            raise TrainError(f"{path}: {whole}={dividend} is not a multiple of {part}={divisor}")
+    try:
+        shape = ModelConfig(**fields)
+    except ValueError as exc:
+        raise TrainError(f"{path}: {exc}") from None
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and not _same(head_dim, shape.head_dim):
+        raise TrainError(
+            f"{path}: head_dim={_json(head_dim)}, but hp's Llama has hidden_size / "
+            f"num_attention_heads = {shape.head_dim}"
+        )
+    return fields
 
 
 def _safetensors() -> Any:
@@ -120,8 +255,10 @@ def write_hf(
     dtype: str = "bfloat16",
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
-    """`tensors` (hp names, full) as an HF Llama directory, written whole or not at all."""
+    """`tensors` (hp names, full) as an HF Llama directory, written whole or not at all and
+    never over anything but a previous export (`exportdir`)."""
     st = _safetensors()
+    target = ExportTarget(out)
     named = {
         hf_name(name): t.to(DTYPES[dtype]).contiguous()
         for name, t in tensors.items()
@@ -136,45 +273,125 @@ def write_hf(
             size = 0
         shards[-1][name] = named[name]
         size += nbytes
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    files = []
-    for i, shard in enumerate(shards, 1):
-        file = (
-            "model.safetensors"
-            if len(shards) == 1
-            else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        )
-        st.save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
-        files.append(file)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in named.values())},
-            "weight_map": {
-                name: f for f, shard in zip(files, shards, strict=True) for name in shard
-            },
-        }
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as stream:
-            json.dump(index, stream, indent=2)
-    with open(os.path.join(tmp, "config.json"), "w") as stream:
-        json.dump(hf_config(config, dtype), stream, indent=2)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+
+    def write(directory: str) -> list[str]:
+        files = []
+        for i, shard in enumerate(shards, 1):
+            file = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            )
+            st.save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
+            files.append(file)
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in named.values())
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {
+                    name: f for f, shard in zip(files, shards, strict=True) for name in shard
+                },
+            }
+            files.append("model.safetensors.index.json")
+            with open(os.path.join(directory, files[-1]), "w") as stream:
+                json.dump(index, stream, indent=2)
+        with open(os.path.join(directory, "config.json"), "w") as stream:
+            json.dump(hf_config(config, dtype), stream, indent=2)
+        return [*files, "config.json"]
+
+    return [f for f in target.commit(write) if f.endswith(".safetensors")]
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    """The weight files of an HF directory: those its index names, else every *.safetensors.
+    Pickles (pytorch_model.bin, *.pt) are never read: loading one runs arbitrary code."""
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise TrainError(f"{directory} {what}; give an HF Llama directory")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as stream:
+                files = sorted(set(json.load(stream)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise TrainError(f"{index}: not a safetensors index ({first_line(exc)})") from None
+        for file in files:
+            if not isinstance(file, str) or not os.path.isfile(os.path.join(directory, file)):
+                raise TrainError(f"{index}: names {file}, which {directory} does not hold")
+        return files
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        pickles = sorted(f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth")))
+        if pickles:
+            raise TrainError(
+                f"{directory}: holds {pickles[0]} (a pickle, which hp never loads) and no "
+                "*.safetensors; convert it to safetensors first, e.g. with transformers' "
+                "from_pretrained(...).save_pretrained(...) on a machine you trust it on"
+            )
+        raise TrainError(f"{directory}: no *.safetensors files (an HF Llama directory?)")
     return files
 
 
 def read_hf(directory: str) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF safetensors directory by HF name (memory-mapped)."""
+    """Every tensor of an HF safetensors directory by HF name; a name in two files is an
+    error (which one a model got would depend on the order they were read)."""
     st = _safetensors()
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise TrainError(f"{directory}: no *.safetensors files (an HF Llama directory?)")
     out: dict[str, torch.Tensor] = {}
-    for file in files:
-        out.update(st.load_file(os.path.join(directory, file)))
+    where: dict[str, str] = {}
+    for file in _safetensors_files(directory):
+        path = os.path.join(directory, file)
+        try:
+            tensors = st.load_file(path)
+        except Exception as exc:  # safetensors' own error types; any is one line here
+            raise TrainError(
+                f"{path}: not a readable safetensors file ({first_line(exc)})"
+            ) from None
+        for name in tensors:
+            if name in where:
+                raise TrainError(f"{directory}: {name} is in both {where[name]} and {file}")
+            where[name] = file
+        out.update(tensors)
     return out
+
+
+_INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, directory: str) -> None:
+    """Tensors no parameter of hp's model takes are refused by name (a bias hp has no place
+    for would silently be dropped), except two that carry nothing new: a copy of the
+    embedding as lm_head.weight in a tied model, and the rotary `inv_freq` buffers older
+    transformers saved, when they equal hp's own frequencies."""
+    from hp_runtime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    taken = {hf_name(canonical_name(name)) for name, _ in model.named_parameters()}
+    if config.tie_embeddings:
+        taken.discard("lm_head.weight")
+    half = config.head_dim // 2
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, half).double() / half))
+    unused = []
+    for name in sorted(set(weights) - taken):
+        tensor = weights[name]
+        if name == "lm_head.weight" and config.tie_embeddings:
+            if torch.equal(tensor, weights.get("model.embed_tokens.weight", tensor[:0])):
+                continue
+            raise TrainError(
+                f"model.init_from: {directory} has an lm_head.weight that differs from "
+                "model.embed_tokens.weight, but its config ties them (tie_word_embeddings)"
+            )
+        if _INV_FREQ.fullmatch(name) and tensor.shape == freqs.shape:
+            tolerance = max(torch.finfo(tensor.dtype).eps * 4, 1e-6)
+            if torch.allclose(tensor.double(), freqs, rtol=tolerance, atol=0):
+                continue
+        unused.append(name)
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise TrainError(
+            f"model.init_from: {directory} has tensors hp's Llama has no place for: "
+            f"{', '.join(unused[:3])}{more}"
+        )
 
 
 @torch.no_grad()
@@ -191,6 +408,7 @@ def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) 
                 f"{getattr(config, key)}; set model.{key} = {value!r}"
             )
     weights = read_hf(directory)
+    _check_extra(weights, config, directory)
     for module in modules:
         for wrapped, param in module.named_parameters():
             name = canonical_name(wrapped)
@@ -223,9 +441,10 @@ def export_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import first_line, read_meta
+    from hp_runtime.train.checkpoint import read_meta
     from hp_runtime.train.config import build_config
 
+    ExportTarget(out)  # a bad --out is refused before the checkpoint is read
     config = build_config(tomllib.loads(read_meta(checkpoint)["config"])).model
     with torch.device("meta"):
         model = Transformer(config)
@@ -234,7 +453,9 @@ def export_checkpoint(
         for name, param in model.named_parameters()
     }
     try:
-        dcp.load({"model": wanted}, checkpoint_id=checkpoint, no_dist=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": just so
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": wanted}, checkpoint_id=checkpoint, no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
         raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc)}") from None
     return write_hf(wanted, config, out, dtype, max_shard_bytes)

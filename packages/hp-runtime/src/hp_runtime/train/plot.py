@@ -4,32 +4,91 @@ norm from `RUN_DIR/metrics.jsonl`, drawn into `RUN_DIR/metrics.png` (needs matpl
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import tempfile
 from typing import Any
 
 from hp_runtime.train.launch import TrainError
 
 
 def read_records(run_dir: str) -> list[dict[str, Any]]:
+    """The records of `RUN_DIR/metrics.jsonl`. A last line without its newline that does not
+    parse was cut by a kill while it was written (a resume drops it too) and is left out; a
+    bad line anywhere else is an error naming it."""
+    if not os.path.isdir(run_dir):
+        what = "is not a directory" if os.path.exists(run_dir) else "does not exist"
+        raise TrainError(f"{run_dir} {what}; give a hp-train run directory")
     path = os.path.join(run_dir, "metrics.jsonl")
-    records = []
     try:
-        with open(path, encoding="utf-8") as stream:
-            for number, line in enumerate(stream, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise TrainError(f"{path}:{number}: not a JSON record") from None
+        with open(path, encoding="utf-8", errors="replace") as stream:
+            lines = stream.readlines()
     except FileNotFoundError:
         raise TrainError(f"{path}: no such file; is {run_dir} a hp-train run directory?") from None
+    except OSError as exc:
+        raise TrainError(f"{path}: cannot be read ({exc.strerror})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # cut by a kill mid-write
+            raise TrainError(f"{path}:{number}: not a JSON record") from None
+        if not isinstance(record, dict):
+            raise TrainError(f"{path}:{number}: not a JSON record")
+        records.append(record)
     return records
 
 
+def _number(value: Any) -> float:
+    """A logged value, or NaN (a gap in the curve) where there is none."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
+def _check_out(out: str, label: str) -> None:
+    """The PNG's path must be a file in a writable directory; checked before drawing."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise TrainError(f"{label}: is a directory; give a file path such as {out}/loss.png")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise TrainError(f"{label}: {parent} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise TrainError(f"{label}: cannot write in {parent} (permission denied)")
+
+
+def _write_png(figure: Any, out: str, label: str) -> None:
+    """Through a hidden temporary file of a unique name beside `out`, then one rename."""
+    directory, name = os.path.split(os.path.abspath(out))
+    try:
+        descriptor, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise TrainError(f"{label}: cannot write in {directory} ({exc.strerror})") from None
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            figure.savefig(stream, dpi=100, format="png")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's are 0600
+        os.replace(tmp, out)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(exc, OSError):
+            raise TrainError(f"{label}: cannot be written ({exc.strerror})") from None
+        raise
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """Draw the run's curves; returns the PNG's path."""
+    """Draw the run's curves; returns the PNG's path. Only `out` (default
+    RUN_DIR/metrics.png) is written, through a hidden temporary file of a unique name."""
     try:
         import matplotlib
 
@@ -38,8 +97,17 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     except ImportError:
         raise TrainError("plotting needs matplotlib: pip install 'hp-runtime[plot]'") from None
     records = read_records(run_dir)
-    train = [r for r in records if r.get("kind", "train") == "train" and "loss" in r]
-    valid = [r for r in records if "val_loss" in r]
+    label = f"--out {out}" if out else os.path.join(run_dir, "metrics.png")
+    out = out or os.path.join(run_dir, "metrics.png")
+    _check_out(out, label)
+    train = [
+        r
+        for r in records
+        if r.get("kind", "train") == "train"
+        and "loss" in r
+        and not math.isnan(_number(r.get("step")))
+    ]
+    valid = [r for r in records if "val_loss" in r and not math.isnan(_number(r.get("step")))]
     if not train:
         raise TrainError(f"{run_dir}/metrics.jsonl: no training steps logged yet")
     steps = [r["step"] for r in train]
@@ -51,21 +119,22 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         (axes[1][1], "grad_norm", "gradient norm"),
     ]
     for axis, key, title in panels:
-        axis.plot(steps, [r[key] for r in train], label="train" if key == "loss" else None)
+        values = [_number(r.get(key)) for r in train]
+        axis.plot(steps, values, label="train" if key == "loss" else None)
         axis.set_title(title)
         axis.grid(alpha=0.3)
     if valid:
         axes[0][0].plot(
-            [r["step"] for r in valid], [r["val_loss"] for r in valid], "o-", label="validation"
-        )
+            [r["step"] for r in valid], [_number(r["val_loss"]) for r in valid], "o-",
+            label="validation",
+        )  # fmt: skip
     axes[0][0].legend()
     for axis in axes[1]:
         axis.set_xlabel("step")
     figure.suptitle(os.path.abspath(run_dir))
     figure.tight_layout()
-    out = out or os.path.join(run_dir, "metrics.png")
-    tmp = out + ".tmp.png"
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    os.replace(tmp, out)
+    try:
+        _write_png(figure, out, label)
+    finally:
+        plt.close(figure)
     return out
