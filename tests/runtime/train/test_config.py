@@ -66,7 +66,7 @@ def test_resolved_config_reads_back_to_the_same_config():
         (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule: expected one of 'gpipe'"),
         (["model.preset=huge"], "model.preset: expected one of 'tiny', 'small'"),
         (["train.steps"], "an override is SECTION.KEY=VALUE"),
-        (["train.steps=0"], "train.steps: must be at least 1, got 0"),
+        (["train.steps=0"], "train.steps: must be from 1 to 2**31 - 1, got 0"),
         (["data.seq_length=4096"], "data.seq_length=4096 is longer than model.max_seq_len=256"),
         (["data.type=megatron"], "data.path: required for data.type = 'megatron'"),
         (["model.n_heads=3"], "model: dim=64 is not divisible by n_heads=3"),
