@@ -364,6 +364,12 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if isinstance(value, str) else f"{text} ({type(value).__name__})"
 
 
+def _reason(exc: Exception, limit: int = 300) -> str:
+    """Another library's error as part of one line: its first line, shortened."""
+    text = (str(exc).splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _name(key: str) -> str:
     """A key as the user wrote it, quoted when it would not read as one line of plain text."""
     return key if key.isprintable() and 0 < len(key) <= 80 else _shown(key)
@@ -388,9 +394,15 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    merged = {section: dict(values) for section, values in base.items()}
+    """`overrides` on top of the file's tree; a section that is not a table stays as it is, for
+    `build_config` to name."""
+    merged = {
+        section: dict(values) if isinstance(values, dict) else values
+        for section, values in base.items()
+    }
     for section, values in overrides.items():
-        merged.setdefault(section, {}).update(values)
+        if isinstance(merged.get(section, {}), dict):
+            merged.setdefault(section, {}).update(values)
     return merged
 
 
@@ -470,9 +482,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:  # type:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    config = build_config(_merge(tree, parse_overrides(list(overrides))))
-    check_paths(config)
-    return config
+    return build_config(_merge(tree, parse_overrides(list(overrides))))
 
 
 def _kind(path: str) -> str | None:
@@ -545,7 +555,7 @@ def _need_corpus(key: str, config: Config, spec: str) -> None:
     try:
         prefixes, _ = parse_blend(spec)
     except HpDataError as exc:  # its messages name Megatron's flag for the same text
-        raise ConfigError(f"{key}: {exc}".replace("--data-path", key)) from None
+        raise ConfigError(f"{key}: {_reason(exc)}".replace("--data-path", key)) from None
     for prefix in map(prefix_of, prefixes):
         if _kind(journal_path(prefix)) is not None:
             continue  # an interrupted write, which opening the dataset finishes
@@ -558,7 +568,8 @@ def _need_corpus(key: str, config: Config, spec: str) -> None:
 
 
 def check_paths(config: Config) -> None:
-    """What the run reads exists and what it writes can be written, before any rank works."""
+    """What the run reads exists and what it writes can be written: the file system's part of
+    the config check, apart from `build_config` (a stored config names paths of its day)."""
     _writable_dir("train.run_dir", config.train.run_dir)
     data = config.data
     if data.cache_dir is not None:
@@ -575,7 +586,7 @@ def check_paths(config: Config) -> None:
         try:
             TokenizerFiles.locate(data.tokenizer)
         except HpDataError as exc:
-            raise ConfigError(f"data.tokenizer: {exc}") from None
+            raise ConfigError(f"data.tokenizer: {_reason(exc)}") from None
     if config.model_init_from is not None:
         _need("model.init_from", config.model_init_from, "dir")
     if config.checkpoint.resume not in ("auto", "none"):
