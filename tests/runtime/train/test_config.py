@@ -377,7 +377,7 @@ def _values(places):
     )
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_configs_load_or_fail_in_one_line_naming_a_key(places, example_tokenizer, data):
     """Several keys drawn at once (relations between them too): never another exception."""

@@ -172,8 +172,8 @@ class Run:
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
     t = config.train
-    check_paths(config)
     plan = check_layout(config, runtime)
+    check_paths(config)
     if runtime.is_main:
         write_config(config, t.run_dir)
         print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
