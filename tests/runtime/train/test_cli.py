@@ -126,3 +126,41 @@ def test_layout_errors_under_torchrun(repo, tmp_path, args, message):
         "/hp_runtime/" not in done.stderr
     )  # no traceback through our code (torchrun adds its own report)
     assert not _leftovers(str(run))  # no rank left running
+
+
+BAD = [
+    "optim.decay_steps=0",
+    "model.n_heads=0",
+    "optim.lr=-1",
+    "model.norm_eps=-1e-5",
+    "train.steps=" + "1" + "0" * 30,
+    "model.dim=1000000000000",
+    "data.type=megatron",
+    "optim.beta2=1",
+    "checkpoint.resume=/nonexistent/step-1",
+    "optim.wsd_decay_fraction=0.5",  # in range: this one trains
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drawn_bad_overrides_end_cleanly(tmp_path, seed):
+    """A few bad values drawn by seed, as the installed script meets them: exit 0, 1 or 2,
+    no traceback, the user's file in the run directory untouched, nothing left running."""
+    import random
+
+    from tests.helpers.train import FAST
+
+    drawn = random.Random(seed).sample(BAD, 2)
+    if seed == 2:
+        drawn = ["optim.wsd_decay_fraction=0.5"]  # and one that runs to the end
+    run = tmp_path / f"drawn-run-{seed}"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    base = ["data.type=dummy", "data.seq_length=16", "train.steps=2", f"train.run_dir={run}"]
+    done = hp_train(*FAST, *base, *drawn, timeout=120)
+    assert done.returncode in (0, 1, 2), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    if done.returncode:
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert (run / "notes.txt").read_text() == "mine"
+    assert not _leftovers(str(run))

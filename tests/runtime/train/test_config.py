@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
+import typing
+from pathlib import Path
 
 import pytest
+import torch
 from hp_runtime.model import PRESETS
-from hp_runtime.train.config import ConfigError, build_config, load_config, to_toml
+from hp_runtime.train.config import (
+    KEYS,
+    RANGES,
+    ConfigError,
+    build_config,
+    check_paths,
+    load_config,
+    to_toml,
+)
+from hp_runtime.train.launch import Runtime
+from hp_runtime.train.setup import check_layout
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 BASE = ["data.type=dummy", "data.seq_length=32", "train.steps=3"]
 
@@ -66,7 +82,7 @@ def test_resolved_config_reads_back_to_the_same_config():
         (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule: expected one of 'gpipe'"),
         (["model.preset=huge"], "model.preset: expected one of 'tiny', 'small'"),
         (["train.steps"], "an override is SECTION.KEY=VALUE"),
-        (["train.steps=0"], "train.steps: must be at least 1, got 0"),
+        (["train.steps=0"], "train.steps: must be from 1 to 2**31 - 1, got 0"),
         (["data.seq_length=4096"], "data.seq_length=4096 is longer than model.max_seq_len=256"),
         (["data.type=megatron"], "data.path: required for data.type = 'megatron'"),
         (["model.n_heads=3"], "model: dim=64 is not divisible by n_heads=3"),
@@ -99,3 +115,276 @@ def test_bad_files_are_one_line(tmp_path):
 def test_shipped_examples_load(repo, name):
     config = load_config(str(repo / "examples" / name))
     assert config.train.steps > 0
+
+
+# --- every key's range, and configs drawn at random --------------------------------------------
+
+ONE_RANK = Runtime(0, 1, 0, 1, torch.device("cpu"))
+
+
+def _numeric(kind) -> bool:
+    return kind in (int, float) or any(_numeric(a) for a in typing.get_args(kind))
+
+
+def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
+    numeric = {
+        f"{s}.{k}" for s, names in KEYS.items() for k, kind in names.items() if _numeric(kind)
+    }
+    assert numeric == set(RANGES)
+    load_config(None, [*BASE, *(f"model.preset={name}" for name in PRESETS)])  # presets in range
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.decay_steps=0", "optim.decay_steps: must be from 1 to 2**31 - 1, got 0"),
+        ("optim.decay_steps=-5", "optim.decay_steps: must be from 1 to 2**31 - 1, got -5"),
+        ("model.n_heads=0", "model.n_heads: must be from 1 to 2**31 - 1, got 0"),
+        ("model.dim=-64", "model.dim: must be from 1 to 2**31 - 1, got -64"),
+        ("model.dim=1000000000000", "model.dim: must be from 1 to 2**31 - 1"),
+        ("model.n_layers=100000", "model.n_layers: must be from 1 to 4096, got 100000"),
+        ("model.max_seq_len=0", "model.max_seq_len: must be from 1 to 2**24, got 0"),
+        ("model.norm_eps=-1e-5", "model.norm_eps: must be in (0, 1], got -1e-05"),
+        ("model.rope_theta=0", "model.rope_theta: must be more than 0, got 0.0"),
+        ("model.init_std=0", "model.init_std: must be in (0, 1], got 0.0"),
+        ("optim.lr=-0.001", "optim.lr: must be more than 0, got -0.001"),
+        ("optim.lr=0", "optim.lr: must be more than 0, got 0.0"),
+        ("optim.beta2=1", "optim.beta2: must be in [0, 1), got 1.0"),
+        ("optim.momentum=-0.1", "optim.momentum: must be in [0, 1), got -0.1"),
+        ("optim.eps=0", "optim.eps: must be more than 0"),
+        ("optim.weight_decay=-1", "optim.weight_decay: must be at least 0"),
+        ("optim.wsd_decay_fraction=0", "optim.wsd_decay_fraction: must be in (0, 1]"),
+        ("train.steps=" + "1" + "0" * 30, "train.steps: must be from 1 to 2**31 - 1"),
+        ("train.seed=-1", "train.seed: must be from 0 to 2**32 - 1, got -1"),
+        ("train.time_limit=-1", "train.time_limit: must be at least 0"),
+        ("train.max_norm=-1", "train.max_norm: must be at least 0"),
+        ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),
+        ("metrics.peak_tflops=0", "metrics.peak_tflops: must be more than 0"),
+        ("optim.lr=nan", "optim.lr: expected a number, got nan"),
+        ("data.eod_token=256", "data.eod_token=256 is not a token id of model.vocab_size=256"),
+        ("data.split=1,x", "data.split: expected up to three non-negative shares"),
+    ],
+)
+def test_out_of_range_values_name_key_value_and_range(override, message):
+    assert message in _error(override)
+
+
+def test_a_model_past_the_parameter_limit_is_refused_before_allocation():
+    # (2**31 - 1) x 1024 x 2 embeddings alone are 4.4e12 parameters, over 2**40 = 1.1e12
+    message = _error("model.vocab_size=2147483647", "model.dim=1024")
+    assert message.startswith("model: 4.4e+12 parameters (model.dim=1024, n_layers=2")
+    load_config(None, [*BASE, "model.vocab_size=2147483647"])  # 2.7e11 at dim 64: allowed
+
+
+def _path_error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_paths(load_config(None, [*BASE, *overrides]))
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
+    file = tmp_path / "file"
+    file.write_text("mine")
+    missing = tmp_path / "missing"
+    cases = {
+        f"train.run_dir={file}": f"train.run_dir: '{file}': it is not a directory",
+        f"train.run_dir={file}/run": f"train.run_dir: '{file}/run': '{file}' is not a directory",
+        f"data.cache_dir={file}": f"data.cache_dir: '{file}': it is not a directory",
+        "train.run_dir=a\0b": "train.run_dir: 'a\\x00b' cannot be a path",
+        f"train.run_dir={tmp_path}/{'x' * 300}": "the name is too long",
+        f"model.init_from={missing}": f"model.init_from: '{missing}': no such file or directory",
+        f"model.init_from={file}": f"model.init_from: '{file}' is not a directory",
+        f"checkpoint.resume={missing}": f"checkpoint.resume: '{missing}': no such file",
+    }
+    for override, message in cases.items():
+        assert message in _path_error(override)
+    assert file.read_text() == "mine"
+    text = ["data.type=json_file", f"data.tokenizer={example_tokenizer}"]
+    assert f"data.path: '{missing}': no such" in _path_error(*text, f"data.path={missing}")
+    hf = ["data.type=hf_datasets", f"data.tokenizer={example_tokenizer}", f"data.path={file}"]
+    assert f"data.path: '{file}' is not a directory" in _path_error(*hf)
+    bad_tokenizer = ["data.type=json_file", f"data.path={file}", f"data.tokenizer={missing}"]
+    assert _path_error(*bad_tokenizer).startswith(f"data.tokenizer: {missing}: no such")
+    run_dir = tmp_path / "new" / "run"  # a directory still to create is fine
+    check_paths(load_config(None, [*BASE, *text, f"data.path={file}", f"train.run_dir={run_dir}"]))
+    assert not run_dir.parent.exists()  # the check creates nothing
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_read_only_run_dir_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert "train.run_dir" in _path_error(f"train.run_dir={locked}/run")
+    assert "is not writable" in _path_error(f"train.run_dir={locked}/run")
+
+
+def test_megatron_prefixes_and_blends(tmp_path):
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"a{suffix}").write_bytes(b"")
+    a, b = tmp_path / "a", tmp_path / "b"
+    check_paths(load_config(None, [*BASE, "data.type=megatron", f"data.path={a}"]))
+    check_paths(load_config(None, [*BASE, "data.type=megatron", f"data.path={a}.bin"]))
+    mega = [*BASE, "data.type=megatron"]
+    assert f"data.path: '{b}.idx': no such file" in _path_error(*mega, f"data.path=0.3 {a} 0.7 {b}")
+    (tmp_path / "b.idx").write_bytes(b"")
+    assert f"'{b}.bin': no such file" in _path_error(*mega, f"data.path=0.3 {a} 0.7 {b}")
+    odd = _path_error(*mega, f"data.path=0.3 {a} 0.7")
+    assert odd.startswith("data.path") and "expected weight/prefix pairs" in odd
+    assert "--data-path" not in odd  # hp-train's key, not Megatron's flag
+    valid = _path_error(*mega, f"data.path={a}", f"data.valid_path={b}")
+    assert valid.startswith("data.valid_path:")
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("steps = 5\n", "steps: a key outside any [section]; keys go under their section (did "),
+        ("lr = [1e-3]\n", "lr: a key outside any [section]"),
+        ("model = 3\n", "model: expected a [model] table, got 3 (int)"),
+        ("[[train]]\nsteps = 1\n", "train: [[train]] makes a list of tables; write [train]"),
+        ('"a\\nb" = 1\n', "'a\\nb': a key outside any [section]"),
+    ],
+)
+def test_top_level_shapes_are_one_line(tmp_path, toml, message):
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    assert message in _error(path=str(path))
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """A file, a directory, a Megatron prefix and a name that does not exist, for drawn values."""
+    root = tmp_path_factory.mktemp("drawn")
+    (root / "file").write_text("user data")
+    (root / "dir").mkdir()
+    for suffix in (".bin", ".idx"):
+        (root / f"prefix{suffix}").write_bytes(b"")
+    return {
+        "file": str(root / "file"),
+        "dir": str(root / "dir"),
+        "missing": str(root / "no"),
+        "prefix": str(root / "prefix"),
+    }
+
+
+DOTTED = sorted(f"{section}.{key}" for section, names in KEYS.items() for key in names)
+ODD_TEXTS = [
+    "",
+    " ",
+    "é☃🙂",
+    "../..",
+    "x" * 5000,
+    "a\nb",
+    "none",
+    "true",
+    "[1, 2]",
+    "{a = 1}",
+    "[{a = 1}]",
+    '"quoted"',
+    "nan",
+    "inf",
+    "-inf",
+    "1e999",
+    "0x10",
+    "-0",
+]
+NUMBERS = [
+    "0",
+    "-1",
+    "1",
+    "2",
+    "3",
+    "8",
+    "0.5",
+    "1.0",
+    "-1e-9",
+    "1e300",
+    "1e-320",
+    "1000000000000",
+    "1" + "0" * 30,
+    str(2**31),
+    str(2**63),
+    str(-(2**63) - 1),
+]
+
+
+def _bases(places, tokenizer) -> dict[str, list[str]]:
+    return {
+        "dummy": BASE,
+        "json_file": [
+            *BASE,
+            "data.type=json_file",
+            f"data.path={places['file']}",
+            f"data.tokenizer={tokenizer}",
+        ],
+        "megatron": [*BASE, "data.type=megatron", f"data.path={places['prefix']}"],
+    }
+
+
+def _load_and_check(overrides: list[str]) -> str | None:
+    """None when the config passes every pre-run check, else its one-line error."""
+    try:
+        config = load_config(None, overrides)
+        check_paths(config)
+        check_layout(config, ONE_RANK)
+    except ConfigError as exc:
+        message = str(exc)
+        assert "\n" not in message and len(message) < 600, message
+        return message
+    return None
+
+
+def _names_a_key(message: str) -> bool:
+    return any(k in message for k in DOTTED) or any(message.startswith(f"{s}:") for s in KEYS)
+
+
+@pytest.mark.parametrize("base", ["dummy", "json_file", "megatron"])
+def test_every_key_with_every_odd_value(places, example_tokenizer, base, tmp_path):
+    """Each key alone set to zero, negative, huge, non-finite, a wrong type, odd text or a path
+    of the wrong kind: it loads, or one ConfigError line names the key."""
+    overrides = [*_bases(places, example_tokenizer)[base], f"train.run_dir={tmp_path}/run"]
+    paths = [*places.values(), *(p + "/sub" for p in places.values())]
+    for key in DOTTED:
+        for value in ODD_TEXTS + NUMBERS + paths:
+            message = _load_and_check([*overrides, f"{key}={value}"])
+            if message is not None:
+                assert key.split(".")[1] in message, (key, value, message)
+    assert not (tmp_path / "run").exists() and Path(places["file"]).read_text() == "user data"
+
+
+def _values(places):
+    return st.one_of(
+        st.sampled_from(ODD_TEXTS + NUMBERS),
+        st.integers(min_value=-(2**70), max_value=2**70).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.text(max_size=30),
+        st.sampled_from(
+            [
+                "gpipe",
+                "cosine",
+                "wsd",
+                "megatron",
+                "json_file",
+                "hf_datasets",
+                "skip",
+                "cpu",
+                "selective",
+                "0.5 /nonexistent 0.5",
+            ]
+        ),
+        st.sampled_from(list(places.values())),
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_configs_load_or_fail_in_one_line_naming_a_key(places, example_tokenizer, data):
+    """Several keys drawn at once (relations between them too): never another exception."""
+    base = data.draw(st.sampled_from(list(_bases(places, example_tokenizer).values())))
+    drawn = data.draw(
+        st.lists(st.tuples(st.sampled_from(DOTTED), _values(places)), min_size=1, max_size=4)
+    )
+    overrides = [*base, f"train.run_dir={places['dir']}/run", *(f"{k}={v}" for k, v in drawn)]
+    message = _load_and_check(overrides)
+    assert message is None or _names_a_key(message), message

@@ -22,6 +22,10 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+        for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import math
+import os
 import tomllib
 import types
 import typing
@@ -159,6 +161,100 @@ def _all_key_types() -> dict[str, dict[str, Any]]:
 
 KEYS = _all_key_types()
 
+INT_MAX = 2**31 - 1  # counts and sizes: a C int (torch threads, kernels' indices); more is a typo
+SEED_MAX = 2**32 - 1  # as hp-data's (and numpy's) seeds
+MAX_PARAMS = 2**40  # ~1.1e12 parameters: past any dense model, far before an int64 overflows
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: from `low` to `high`, each bound included unless
+    marked open."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        low, high = _bound(self.low), _bound(self.high)
+        if self.high == math.inf:
+            return f"more than {low}" if self.low_open else f"at least {low}"
+        if isinstance(self.low, int) and isinstance(self.high, int):
+            return f"from {low} to {high}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {left}{low}, {high}{right}"
+
+
+def _bound(value: float) -> str:
+    names = {INT_MAX: "2**31 - 1", SEED_MAX: "2**32 - 1", 2**24: "2**24"}
+    return names.get(value, repr(value)) if isinstance(value, int) else f"{value:g}"
+
+
+def _ints(low: int, high: int = INT_MAX) -> Range:
+    return Range(low, high)
+
+
+POSITIVE, NON_NEGATIVE = Range(0.0, low_open=True), Range(0.0)
+BELOW_ONE = Range(0.0, 1.0, high_open=True)  # betas, momentum
+UP_TO_ONE = Range(0.0, 1.0, low_open=True)
+
+# Every numeric key's range, one row a key (none, where a key allows it, is always allowed).
+RANGES: dict[str, Range] = {
+    "model.vocab_size": _ints(1),
+    "model.dim": _ints(1),
+    "model.n_layers": _ints(1, 4096),  # the model is built layer by layer: bounded time
+    "model.n_heads": _ints(1),
+    "model.n_kv_heads": _ints(1),
+    "model.ffn_hidden": _ints(1),
+    "model.max_seq_len": _ints(1, 2**24),  # rotary positions are exact in float32 below 2**24
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": UP_TO_ONE,
+    "model.init_std": UP_TO_ONE,
+    "data.seq_length": _ints(1),
+    "data.seed": _ints(0, SEED_MAX),
+    "data.eod_token": _ints(0),
+    "data.num_workers": _ints(0, 1024),  # processes per rank
+    "data.prefetch_factor": _ints(1, 1024),
+    "parallel.dp_replicate": _ints(1),
+    "parallel.dp_shard": _ints(1),
+    "parallel.tp": _ints(1),
+    "parallel.pp": _ints(1),
+    "parallel.pp_microbatches": _ints(1),
+    "parallel.pp_virtual_stages": _ints(1),
+    "parallel.ac_every": _ints(1),
+    "train.steps": _ints(1),
+    "train.micro_batch_size": _ints(1),
+    "train.global_batch_size": _ints(1),
+    "train.seed": _ints(0, SEED_MAX),
+    "train.max_norm": NON_NEGATIVE,
+    "train.eval_interval": _ints(0),
+    "train.eval_iters": _ints(1),
+    "train.cpu_threads": _ints(0, 1024),  # threads per rank
+    "train.spike_window": _ints(1),
+    "train.spike_sigma": POSITIVE,
+    "train.time_limit": NON_NEGATIVE,
+    "optim.lr": POSITIVE,
+    "optim.min_lr": NON_NEGATIVE,
+    "optim.warmup_steps": _ints(0),
+    "optim.decay_steps": _ints(1),
+    "optim.wsd_decay_fraction": UP_TO_ONE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.beta1": BELOW_ONE,
+    "optim.beta2": BELOW_ONE,
+    "optim.eps": POSITIVE,
+    "optim.momentum": BELOW_ONE,
+    "checkpoint.interval": _ints(0),
+    "checkpoint.keep": _ints(0),
+    "metrics.log_interval": _ints(1),
+    "metrics.peak_tflops": POSITIVE,
+}
+
 
 def _similarity(wrong: str, right: str) -> float:
     """Closeness of two key names: whole-string likeness or the words they share
@@ -185,7 +281,7 @@ def suggest(section: str, key: str | None) -> str | None:
 
 
 def _unknown(section: str, key: str | None) -> ConfigError:
-    where = section if key is None else f"{section}.{key}"
+    where = _name(section if key is None else f"{section}.{key}")
     kind = "section" if key is None else "key"
     hint = suggest(section, key)
     return ConfigError(f"{where}: unknown {kind}" + (f"; did you mean {hint}?" if hint else ""))
@@ -260,8 +356,23 @@ def _parse_override(text: str, kind: Any) -> Any:
     return value
 
 
-def _shown(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})" if not isinstance(value, str) else repr(value)
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value for a message: its repr (one line, however long or odd the value), shortened."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text if isinstance(value, str) else f"{text} ({type(value).__name__})"
+
+
+def _reason(exc: Exception, limit: int = 300) -> str:
+    """Another library's error as part of one line: its first line, shortened."""
+    text = (str(exc).splitlines() or [""])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _name(key: str) -> str:
+    """A key as the user wrote it, quoted when it would not read as one line of plain text."""
+    return key if key.isprintable() and 0 < len(key) <= 80 else _shown(key)
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -271,7 +382,9 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
         key, sep, text = item.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
-            raise ConfigError(f"{item}: an override is SECTION.KEY=VALUE, e.g. train.steps=50")
+            raise ConfigError(
+                f"{_name(item)}: an override is SECTION.KEY=VALUE, e.g. train.steps=50"
+            )
         if section not in KEYS:
             raise _unknown(section, None)
         if name not in KEYS[section]:
@@ -281,9 +394,15 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    merged = {section: dict(values) for section, values in base.items()}
+    """`overrides` on top of the file's tree; a section that is not a table stays as it is, for
+    `build_config` to name."""
+    merged = {
+        section: dict(values) if isinstance(values, dict) else values
+        for section, values in base.items()
+    }
     for section, values in overrides.items():
-        merged.setdefault(section, {}).update(values)
+        if isinstance(merged.get(section, {}), dict):
+            merged.setdefault(section, {}).update(values)
     return merged
 
 
@@ -299,6 +418,9 @@ def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(
                 f"{section}.{key}: expected {_type_name(kind)}, got {_shown(value)}"
             ) from None
+        allowed = RANGES.get(f"{section}.{key}")
+        if allowed is not None and out[key] is not None and out[key] not in allowed:
+            raise ConfigError(f"{section}.{key}: must be {allowed}, got {out[key]}")
     return out
 
 
@@ -322,8 +444,16 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
 def build_config(tree: dict[str, Any]) -> Config:
     """A checked `Config` from a parsed TOML tree (overrides already merged)."""
     for section, values in tree.items():
+        if section not in KEYS and not isinstance(values, dict):
+            hint = suggest("", section)
+            raise ConfigError(
+                f"{_name(section)}: a key outside any [section]; keys go under their section"
+                + (f" (did you mean {hint}?)" if hint else "")
+            )
         if section not in KEYS:
             raise _unknown(section, None)
+        if isinstance(values, list) and values and all(isinstance(v, dict) for v in values):
+            raise ConfigError(f"{section}: [[{section}]] makes a list of tables; write [{section}]")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {_shown(values)}")
     model_values = _typed("model", tree.get("model", {}))
@@ -355,46 +485,117 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:  # type:
     return build_config(_merge(tree, parse_overrides(list(overrides))))
 
 
-def _positive(config: Config, *keys: str) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}: must be at least 1, got {value}")
+def _kind(path: str) -> str | None:
+    """ "dir", "file" (anything else that exists) or None when `path` names nothing."""
+    try:
+        return "dir" if os.path.isdir(path) else "file" if os.path.lexists(path) else None
+    except (ValueError, OSError):  # an embedded NUL, a name too long
+        return None
+
+
+def _plain(key: str, path: str) -> None:
+    """`path` can name a file at all: no NUL, encodable for the file system."""
+    try:
+        if "\0" not in path:
+            os.fsencode(path)
+            return
+    except UnicodeError:
+        pass
+    raise ConfigError(f"{key}: {_shown(path)} cannot be a path on this system")
+
+
+def _need(key: str, path: str, kind: str | None = None) -> None:
+    """`path` (the value of `key`) exists, as a directory or a file when `kind` says so."""
+    _plain(key, path)
+    found = _kind(path)
+    if found is None:
+        raise ConfigError(f"{key}: {_shown(path)}: no such file or directory")
+    if kind is not None and found != kind:
+        wanted = "a directory" if kind == "dir" else "a file"
+        raise ConfigError(f"{key}: {_shown(path)} is not {wanted}")
+
+
+def _writable_dir(key: str, path: str) -> None:
+    """`path` is a directory this process can write in, or one it can create there."""
+    if not path:
+        raise ConfigError(f"{key}: empty; give a directory")
+    _plain(key, path)
+    target = here = os.path.abspath(path)
+    while _kind(here) is None and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    shown = "it" if here == target else _shown(here)
+    if _kind(here) != "dir":
+        raise ConfigError(f"{key}: {_shown(path)}: {shown} is not a directory")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {_shown(path)}: {shown} is not writable")
+    longest = max(len(os.fsencode(part)) for part in os.path.relpath(target, here).split(os.sep))
+    if longest > 255 or len(os.fsencode(target)) > 4000:  # NAME_MAX, PATH_MAX on Linux
+        raise ConfigError(f"{key}: {_shown(path)}: the name is too long")
+
+
+def _need_corpus(key: str, config: Config, spec: str) -> None:
+    """A megatron prefix or blend, or a json_file / hf_datasets input, that exists."""
+    from hp_data.errors import HpDataError
+    from hp_data.format.commit import journal_path
+    from hp_data.format.header import prefix_of
+    from hp_data.remote import is_url
+
+    kind = config.data.type
+    _plain(key, spec)
+    if kind == "json_file":
+        if not is_url(spec) and not (glob.has_magic(spec) and glob.glob(spec)):
+            _need(key, spec)
+        return
+    if kind == "hf_datasets":
+        if not is_url(spec):
+            _need(key, spec, "dir")
+        return
+    from hp_data.blend import parse_blend
+
+    try:
+        prefixes, _ = parse_blend(spec)
+    except HpDataError as exc:  # its messages name Megatron's flag for the same text
+        raise ConfigError(f"{key}: {_reason(exc)}".replace("--data-path", key)) from None
+    for prefix in map(prefix_of, prefixes):
+        if _kind(journal_path(prefix)) is not None:
+            continue  # an interrupted write, which opening the dataset finishes
+        for suffix in (".idx", ".bin"):
+            if _kind(prefix + suffix) != "file":
+                raise ConfigError(
+                    f"{key}: {_shown(prefix + suffix)}: no such file (a prefix names "
+                    "PREFIX.bin and PREFIX.idx)"
+                )
+
+
+def check_paths(config: Config) -> None:
+    """What the run reads exists and what it writes can be written: the file system's part of
+    the config check, apart from `build_config` (a stored config names paths of its day)."""
+    _writable_dir("train.run_dir", config.train.run_dir)
+    data = config.data
+    if data.cache_dir is not None:
+        _writable_dir("data.cache_dir", data.cache_dir)
+    if data.type != "dummy":
+        for key in ("data.path", "data.valid_path"):
+            spec = getattr(data, key.split(".")[1])
+            if spec is not None:
+                _need_corpus(key, config, spec)
+    if data.type in ("json_file", "hf_datasets") and data.tokenizer is not None:
+        from hp_data.errors import HpDataError
+        from hp_data.tokenize import TokenizerFiles
+
+        try:
+            TokenizerFiles.locate(data.tokenizer)
+        except HpDataError as exc:
+            raise ConfigError(f"data.tokenizer: {_reason(exc)}") from None
+    if config.model_init_from is not None:
+        _need("model.init_from", config.model_init_from, "dir")
+    if config.checkpoint.resume not in ("auto", "none"):
+        _need("checkpoint.resume", config.checkpoint.resume, "dir")
 
 
 def check(config: Config) -> None:
-    """Relations between keys that no single type expresses."""
-    _positive(
-        config,
-        "train.steps",
-        "train.micro_batch_size",
-        "train.global_batch_size",
-        "train.eval_iters",
-        "train.spike_window",
-        "data.seq_length",
-        "data.prefetch_factor",
-        "parallel.dp_replicate",
-        "parallel.dp_shard",
-        "parallel.tp",
-        "parallel.pp",
-        "parallel.pp_microbatches",
-        "parallel.pp_virtual_stages",
-        "parallel.ac_every",
-        "metrics.log_interval",
-    )
-    for key in (
-        "train.eval_interval",
-        "checkpoint.interval",
-        "checkpoint.keep",
-        "optim.warmup_steps",
-        "train.cpu_threads",
-        "data.num_workers",
-    ):
-        section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
-        if value is not None and value < 0:
-            raise ConfigError(f"{key}: must be 0 or more")
+    """Relations between keys that no single range expresses (each key's own range is checked
+    as it is read, from `RANGES`)."""
     data = config.data
     if data.type != "dummy" and not data.path:
         raise ConfigError(f"data.path: required for data.type = {data.type!r}")
@@ -411,19 +612,39 @@ def check(config: Config) -> None:
             f"{config.parallel.tp} (sequence parallel splits the sequence)"
         )
     optim = config.optim
-    if not 0 <= optim.min_lr <= optim.lr:
+    if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
-    if not 0 < optim.wsd_decay_fraction <= 1:
-        raise ConfigError("optim.wsd_decay_fraction must be in (0, 1]")
-    if config.train.time_limit < 0:
-        raise ConfigError("train.time_limit must be 0 (none) or a number of seconds")
-    if config.train.spike_sigma <= 0:
-        raise ConfigError("train.spike_sigma must be positive")
+    model = config.model
+    if data.eod_token is not None and data.eod_token >= model.vocab_size:
+        raise ConfigError(
+            f"data.eod_token={data.eod_token} is not a token id of model.vocab_size="
+            f"{model.vocab_size} (ids are 0 to {model.vocab_size - 1})"
+        )
+    if model.num_params() > MAX_PARAMS:
+        raise ConfigError(
+            f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
+            f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
+            f"is more than hp-train's {MAX_PARAMS:.3g}"
+        )
+    _check_split(data.split)
     if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
         raise ConfigError(
             "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "
             "passes only hidden states between stages, not position ids"
         )
+
+
+def _check_split(split: str) -> None:
+    from hp_data.errors import HpDataError
+    from hp_data.index import parse_split
+
+    try:
+        parse_split(split)
+    except HpDataError:
+        raise ConfigError(
+            f"data.split: expected up to three non-negative shares, not all zero, such as "
+            f'"969,30,1"; got {_shown(split)}'
+        ) from None
 
 
 def _toml_value(value: Any) -> str:

@@ -20,7 +20,7 @@ from hp_runtime.train.checkpoint import (
     load,
     read_meta,
 )
-from hp_runtime.train.config import Config, ConfigError, to_toml
+from hp_runtime.train.config import Config, ConfigError, check_paths, to_toml
 from hp_runtime.train.data import (
     BatchPlan,
     Datasets,
@@ -187,6 +187,7 @@ class Run:
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
     t = config.train
     plan = check_layout(config, runtime)
+    check_paths(config)
 
     def say(line: str) -> None:
         if runtime.is_main:
@@ -205,6 +206,14 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         assembly = build_assembly(config, runtime, plan, loss_fn)
     except ValueError as exc:  # e.g. a schedule that cannot take this many micro-batches
         failure = TrainError(f"parallel: {exc}")
+    except RuntimeError as exc:  # an allocation the device cannot hold: torch's own is long
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate" not in str(exc):
+            raise
+        failure = TrainError(
+            f"model: {config.model.num_params():,} parameters do not fit in this "
+            f"{runtime.device.type} rank's memory; shrink the model or shard it "
+            "(parallel.dp_shard, parallel.tp, parallel.pp)"
+        )
     agree(failure, runtime)
     reads = assembly.has_first_stage or assembly.has_last_stage
     datasets = build_datasets(config, plan, runtime, reads, t.run_dir)
