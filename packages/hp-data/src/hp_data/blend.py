@@ -40,12 +40,12 @@ def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
     if items and all(isinstance(i, tuple | list) and len(i) == 2 for i in items):
         items = [x for pair in items for x in pair]
     if not items:
-        raise HpDataError("empty --data-path: give a prefix, or weights and prefixes")
+        raise HpDataError("empty blend: give a prefix, or weights and prefixes")
     if len(items) == 1:
         return [str(items[0])], None
     if len(items) % 2:
         raise HpDataError(
-            f"--data-path {' '.join(map(str, items))!r}: expected weight/prefix pairs, "
+            f"blend {' '.join(map(str, items))!r}: expected weight/prefix pairs, "
             f"e.g. '0.3 /data/a 0.7 /data/b'"
         )
     weights, prefixes = [], []
@@ -54,14 +54,14 @@ def parse_blend(spec: BlendSpec) -> tuple[list[str], list[float] | None]:
             value = float(weight)
         except (TypeError, ValueError):
             raise HpDataError(
-                f"--data-path: {weight!r} is not a weight; write 'WEIGHT PREFIX' pairs"
+                f"blend: {weight!r} is not a weight; write 'WEIGHT PREFIX' pairs"
             ) from None
         if not value > 0 or not math.isfinite(value):
-            raise HpDataError(f"--data-path: weight {weight!r} of {prefix} must be positive")
+            raise HpDataError(f"blend: weight {weight!r} of {prefix} must be positive")
         weights.append(value)
         prefixes.append(str(prefix))
     if not math.isfinite(sum(weights)):
-        raise HpDataError("--data-path: the weights' sum overflows; scale them down")
+        raise HpDataError("blend: the weights' sum overflows; scale them down")
     return prefixes, weights
 
 
@@ -244,7 +244,7 @@ def build_split(
     for prefix in prefixes:
         recover(prefix)
         if not os.path.exists(prefix + ".idx"):
-            raise HpDataError(f"{prefix}.idx: no such dataset (in --data-path)")
+            raise HpDataError(f"{prefix}.idx: no such dataset")
     if len(prefixes) == 1 and weights is None:
         return GPTDataset(prefixes[0], split, size, config)
     if weights is None:

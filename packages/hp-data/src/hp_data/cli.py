@@ -651,7 +651,13 @@ def build_index(
     Sizes as Megatron computes them from --train-samples or --train-iters with
     --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
     eval interval + 1) x eval iters x batch, test = eval iters x batch."""
-    from hp_data.blend import build_datasets, build_report, megatron_sample_counts
+    from hp_data.blend import build_datasets, build_report, megatron_sample_counts, parse_blend
+
+    spec = " ".join(data_path)
+    try:
+        parse_blend(spec)
+    except HpDataError as exc:  # the library's message names no flag: this one does
+        raise HpDataError(f"--data-path: {exc}") from None
 
     counts: list[int | None] = [None, None, None]
     if num_samples:
@@ -680,7 +686,7 @@ def build_index(
         drop_last_partial_validation_sequence=not keep_last_partial_validation,
         cache_dir=cache_dir,
     )
-    report = build_report(build_datasets(" ".join(data_path), config, counts))
+    report = build_report(build_datasets(spec, config, counts))
     if as_json:
         _emit({"splits": report})
         return

@@ -122,7 +122,7 @@ class GPTDataset:
         if config.seq_length < 2:
             raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
         if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
-            raise HpDataError("eod_mask_loss and reset_position_ids need config.eod_token")
+            raise HpDataError("eod_mask_loss and reset_position_ids need the EOD token id")
         opened = not isinstance(dataset, IndexedDataset)
         self.dataset = IndexedDataset(dataset) if opened else dataset
         self.split = split

@@ -260,6 +260,7 @@ class _ShardStats:
     invalid: dict[str, int] = field(default_factory=dict)
     invalid_examples: list[str] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=dict)
+    max_token_id: dict[str, int] = field(default_factory=dict)  # per key with any token
     lines: int = 0
     verified: int = 0  # documents whose fast-engine ids were checked against tokenizers
 
@@ -556,10 +557,15 @@ def preprocess(
         "schema": METADATA_SCHEMA,
         "written_by": f"hp-data {__version__}",
         "tokenizer": files.describe(tokenizer_hash),
+        "vocab_size": vocabulary,
         "eod": spec.eod,
         "bos": spec.bos,
     }
-    finals = [IndexedDatasetBuilder(final, dtype, metadata=metadata) for final in outputs.values()]
+    stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
+    finals = [
+        IndexedDatasetBuilder(final, dtype, metadata={**metadata, **_max_token_id(stats, key)})
+        for key, final in outputs.items()
+    ]
     try:
         for key, builder in zip(outputs, finals, strict=True):
             for index in range(len(shards)):
@@ -569,7 +575,6 @@ def preprocess(
             builder.abort()
         raise
     finalize_together(finals)
-    stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
     summary.tokenizer = metadata["tokenizer"]
     if task is not None:  # the shard's hashes and manifest, after its datasets
@@ -577,6 +582,15 @@ def preprocess(
         task.commit(outputs, hashes, summary.__dict__)
     workdir.remove()
     return summary
+
+
+def _max_token_id(stats: list[_ShardStats], key: str) -> dict[str, int]:
+    """`{"max_token_id": N}` over every shard of `key` (None: no token), or nothing when a
+    shard does not say (one written by an older hp-data, resumed)."""
+    found = [s.max_token_id.get(key) for s in stats if s.tokens.get(key)]
+    if any(value is None for value in found):
+        return {}
+    return {"max_token_id": max(found, default=None)}  # type: ignore[type-var]
 
 
 class _Run:
@@ -650,6 +664,9 @@ class _Run:
             present = key_lengths > 0  # an empty text (other keys not empty): no sequences
             builder.add_batch(key_tokens, key_lengths[present], present)
             stats.tokens[key] += len(key_tokens)
+            if len(key_tokens):  # one pass over ids just made: PREFIX.hp.json's max_token_id
+                largest = int(key_tokens.max())
+                stats.max_token_id[key] = max(stats.max_token_id.get(key, largest), largest)
             self.tokens += len(key_tokens)
         stats.written += len(lengths[0]) if lengths else 0
         self.documents += result.records

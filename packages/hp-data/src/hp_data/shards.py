@@ -34,7 +34,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of
-from hp_data.format.metadata import shared_metadata
+from hp_data.format.metadata import read_metadata, shared_metadata
 from hp_data.format.reader import IndexedDataset
 from hp_data.plan import fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
@@ -338,6 +338,7 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
         for key in keys
     ]
     documents = duplicates = 0
+    largest: dict[str, list[int]] = {key: [] for key in keys}  # per shard: its kept ids' largest
     try:
         for manifest, shard in zip(manifests, sources, strict=True):
             keep = None
@@ -346,8 +347,20 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
                 keep = seen.add_new(hashes.reshape(-1, 2))
                 duplicates += int((~keep).sum())
             for key, builder in zip(keys, builders, strict=True):
-                builder.add_index(shard[key], on_bytes=progress.add_bytes, keep=keep)
+                kept = builder.add_index(shard[key], on_bytes=progress.add_bytes, keep=keep)
+                if keep is None or keep.all():
+                    kept = (read_metadata(shard[key]) or {}).get("max_token_id")
+                largest[key].append(-1 if kept is None else kept)
         documents = builders[0].document_count
+        for key, builder in zip(keys, builders, strict=True):
+            if builder.metadata is not None and "max_token_id" in builder.metadata:
+                # Documents dropped across shards may have held the largest id: the kept
+                # tokens', as a one-machine run records it.
+                found = max(largest[key], default=-1)
+                builder.metadata = {
+                    **builder.metadata,
+                    "max_token_id": None if found < 0 else found,
+                }
     except BaseException:
         for builder in builders:
             builder.abort()

@@ -315,11 +315,13 @@ class IndexedDatasetBuilder:
         other: str | os.PathLike[str],
         on_bytes: Callable[[int], None] | None = None,
         keep: np.ndarray | None = None,
-    ) -> None:
+    ) -> int | None:
         """Append every document of another dataset, streaming its `.bin` (dtypes must match);
         with `keep` (a bool per document), only those documents.
 
-        `on_bytes(n)` is called as each block of `n` bytes of the `.bin` is copied.
+        `on_bytes(n)` is called as each block of `n` bytes of the `.bin` is copied. Returns
+        the largest id appended when `keep` dropped documents (their tokens were read anyway;
+        None when none is left), else None: the source's own record says it.
         """
         self._check_open()
         with IndexedDataset(other, multimodal=self.multimodal) as source:
@@ -329,8 +331,7 @@ class IndexedDatasetBuilder:
                     f"{self.dtype}; datasets of different dtypes cannot be concatenated"
                 )
             if keep is not None and not np.all(keep):
-                self._add_kept(source, np.asarray(keep, dtype=bool), on_bytes)
-                return
+                return self._add_kept(source, np.asarray(keep, dtype=bool), on_bytes)
             offset = self._lengths.count
             step = 1 << 20
             for start in range(0, len(source), step):
@@ -344,10 +345,11 @@ class IndexedDatasetBuilder:
                 drop_pages(boundaries)
             with open(source.bin_path, "rb") as data:
                 _copy(data, self._bin, on_bytes)
+        return None
 
     def _add_kept(
         self, source: IndexedDataset, keep: np.ndarray, on_bytes: Callable[[int], None] | None
-    ) -> None:
+    ) -> int | None:
         """The documents of `source` that `keep` marks, in blocks of documents: each block's
         tokens are read in one piece and masked, so no Python loop runs per document."""
         if self._modes is not None:
@@ -363,7 +365,7 @@ class IndexedDatasetBuilder:
             sequence = int(boundaries[document])
             return int(pointers[sequence]) if sequence < len(pointers) else end_of_data
 
-        first = 0
+        first, largest = 0, None
         with open(source.bin_path, "rb") as data:
             while first < len(keep):
                 last = min(first + (1 << 18), len(keep))
@@ -377,14 +379,14 @@ class IndexedDatasetBuilder:
                 if high > low:
                     data.seek(int(source.sequence_pointers[low]))
                     tokens = np.fromfile(data, self.dtype, int(lengths.sum()))
-                self.add_batch(
-                    tokens[np.repeat(kept_sequences, lengths)],
-                    lengths[kept_sequences],
-                    per_document[keep[first:last]],
-                )
+                kept = tokens[np.repeat(kept_sequences, lengths)]
+                self.add_batch(kept, lengths[kept_sequences], per_document[keep[first:last]])
+                if len(kept):
+                    largest = max(int(kept.max()), -1 if largest is None else largest)
                 if on_bytes is not None:
                     on_bytes(tokens.nbytes)
                 first = last
+        return largest
 
     def finalize(self) -> str:
         """Write the index and move both files into place atomically; returns the prefix.

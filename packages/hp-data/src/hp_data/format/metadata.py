@@ -5,6 +5,9 @@ builder writes it in the same atomic commit as the two files (`format/commit.py`
 removes it there when it rewrites the prefix without one, so it never describes other tokens
 than the ones beside it. It records the tokenizer (what was named, the files used, their
 xxh3-128), so that `inspect --show` decodes without being told, and the EOD and BOS ids.
+`max_token_id` (the largest id in the `.bin`, null when it holds none; absent when the writer
+did not see every token) and `vocab_size` (the tokenizer's) let a trainer check its embedding
+without reading the corpus; readers ignore keys they do not know, so the schema stays 1.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def read_metadata(prefix: str | os.PathLike[str]) -> dict[str, Any] | None:
 def shared_metadata(prefixes: Sequence[str]) -> dict[str, Any] | None:
     """The metadata for a concatenation of `prefixes`: the first's, when every one records
     the same tokenizer bytes and EOD and BOS ids; otherwise None, as nothing true can be said.
+    Its `max_token_id` is the largest of the inputs' (null: no token), and absent unless every
+    input has the key.
     """
     found = [read_metadata(prefix) for prefix in prefixes]
     if not found or any(m is None for m in found):
@@ -54,4 +59,10 @@ def shared_metadata(prefixes: Sequence[str]) -> dict[str, Any] | None:
         (m.get("tokenizer", {}).get("xxh3_128"), m.get("eod"), m.get("bos"))
         for m in found  # type: ignore[union-attr]
     }
-    return found[0] if len(made) == 1 else None
+    if len(made) != 1:
+        return None
+    shared = {k: v for k, v in found[0].items() if k != "max_token_id"}  # type: ignore[union-attr]
+    if all("max_token_id" in m for m in found):  # type: ignore[operator]
+        largest = [m["max_token_id"] for m in found if m["max_token_id"] is not None]  # type: ignore[index]
+        shared["max_token_id"] = max(largest, default=None)
+    return shared

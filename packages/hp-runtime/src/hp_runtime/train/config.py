@@ -611,6 +611,12 @@ def check(config: Config) -> None:
             f"data.seq_length={data.seq_length} is not divisible by parallel.tp="
             f"{config.parallel.tp} (sequence parallel splits the sequence)"
         )
+    vocab = config.model.vocab_size
+    if data.eod_token is not None and not 0 <= data.eod_token < vocab:
+        raise ConfigError(
+            f"data.eod_token = {data.eod_token} is not a token id of model.vocab_size = {vocab}: "
+            f"give an id from 0 to {vocab - 1}"
+        )
     optim = config.optim
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")

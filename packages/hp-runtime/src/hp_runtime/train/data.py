@@ -15,16 +15,20 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from hp_data.blend import megatron_sample_counts
+from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
+from hp_data.format.commit import recover
+from hp_data.format.header import prefix_of
 from hp_data.gpt import corpus_fingerprint
 from hp_data.index import SPLITS, parse_split
 from hp_data.registry import DatasetConfig, build_dataset
 from hp_data.sampler import PretrainingSampler
+from hp_data.token_ids import token_ids
+from hp_data.tokenize import TokenizerFiles, vocab_size
 from hp_data.torch import make_dataloader
 
 from hp_runtime.train.config import Config, ConfigError
@@ -146,6 +150,98 @@ def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return strip(saved) == strip(current)
 
 
+def _prefixes(key: str, spec: str) -> list[str]:
+    """The prefixes of the blend `spec` that config `key` names, each checked to exist."""
+    try:
+        prefixes = [prefix_of(p) for p in parse_blend(spec)[0]]
+    except HpDataError as exc:
+        raise TrainError(f"{key}: {exc}") from None
+    for prefix in prefixes:
+        recover(prefix)
+        if not os.path.exists(prefix + ".idx"):
+            raise TrainError(f"{key}: {prefix}.idx: no such dataset")
+    return prefixes
+
+
+def _needs_eod(config: Config) -> str | None:
+    """The first data key on that reads the end-of-document id, if any."""
+    d = config.data
+    names = ("eod_mask_loss", "reset_position_ids", "document_masking")
+    return next((f"data.{name}" for name in names if getattr(d, name)), None)
+
+
+def _resolve_eod(config: Config, recorded: dict[str, dict[str, Any] | None]) -> int | None:
+    """data.eod_token, else the EOD id every prefix's PREFIX.hp.json records when a key on
+    needs one; refused when they disagree with it or with each other."""
+    given, needs = config.data.eod_token, _needs_eod(config)
+    ids = {prefix: (m or {}).get("eod") for prefix, m in recorded.items()}
+    ids = {prefix: eod for prefix, eod in ids.items() if type(eod) is int}
+    if given is not None:
+        for prefix, eod in ids.items():
+            if eod != given:
+                raise TrainError(
+                    f"data.eod_token = {given} but {prefix}.hp.json records EOD id {eod}: "
+                    f"set data.eod_token = {eod}, or leave it unset"
+                )
+        return given
+    if needs is None:
+        return None
+    unrecorded = [prefix for prefix in recorded if prefix not in ids]
+    if unrecorded:
+        raise TrainError(
+            f"{needs} needs the end-of-document id and {unrecorded[0]}.hp.json records none: "
+            f"set data.eod_token"
+        )
+    if len(set(ids.values())) > 1:
+        found = ", ".join(f"{prefix} {eod}" for prefix, eod in ids.items())
+        raise TrainError(
+            f"{needs} needs one end-of-document id but the blend records several ({found}): "
+            f"set data.eod_token"
+        )
+    return next(iter(ids.values()))
+
+
+def _too_small(config: Config, where: str, largest: int, vocabulary: Any) -> TrainError:
+    hint = f" (the tokenizer's vocabulary is {vocabulary})" if type(vocabulary) is int else ""
+    return TrainError(
+        f"model.vocab_size = {config.model.vocab_size} but {where} holds token id {largest}"
+        f"{hint}: set model.vocab_size to at least {largest + 1}"
+    )
+
+
+def check_data(config: Config, configs: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
+    """Before the first step: every token id the run can read fits model.vocab_size (an id
+    beyond the embedding fails at the first sample holding it, on a GPU as a device-side
+    assert), and the EOD id is known where a key needs one. Returns `configs` with the EOD id
+    each split reads. The largest id is exact and cheap: recorded at preprocess, else scanned
+    once and kept in the index cache (hp_data.token_ids)."""
+    d, limit = config.data, config.model.vocab_size
+    if d.type == "dummy":  # its generator draws ids from [0, model.vocab_size): nothing to check
+        return configs
+    if d.type in ("json_file", "hf_datasets"):  # tokenized by the run: the tokenizer's ids
+        count = vocab_size(TokenizerFiles.locate(d.tokenizer).load())  # type: ignore[arg-type]
+        if count > limit:
+            raise _too_small(config, f"the tokenizer {d.tokenizer}", count - 1, count)
+        return configs
+    out = {}
+    for split, registry in configs.items():
+        key = "data.valid_path" if split == "valid" and d.valid_path else "data.path"
+        recorded = {}
+        for prefix in _prefixes(key, registry.path):  # type: ignore[arg-type]
+            found = token_ids(prefix, registry.cache_dir, limit)
+            recorded[prefix] = found.metadata
+            if found.largest is not None and found.largest >= limit:
+                vocabulary = (found.metadata or {}).get("vocab_size")
+                raise _too_small(config, prefix, found.largest, vocabulary)
+            if found.smallest is not None and found.smallest < 0:
+                raise TrainError(
+                    f"{prefix} holds token id {found.smallest}: an embedding takes ids from 0 "
+                    f"to model.vocab_size - 1; check how it was tokenized"
+                )
+        out[split] = replace(registry, eod_token=_resolve_eod(config, recorded))
+    return out
+
+
 @dataclass
 class Datasets:
     train: Any | None
@@ -172,6 +268,7 @@ def build_datasets(
     start = time.perf_counter()
 
     def build() -> None:
+        configs.update(check_data(config, configs))
         for split, registry in configs.items():
             built[split] = build_dataset(registry)
 
@@ -180,6 +277,8 @@ def build_datasets(
         if (runtime.local_rank == 0) == turn and (reads or turn):
             try:
                 build()
+            except TrainError as exc:  # the checks' own, naming the key to change
+                failure = exc
             except HpDataError as exc:
                 failure = TrainError(f"data: {exc}")
             except (OSError, ValueError) as exc:

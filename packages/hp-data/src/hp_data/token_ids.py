@@ -1,0 +1,105 @@
+"""The range of token ids a dataset holds, exactly, without reading a corpus more than once.
+
+A trainer needs the largest id before its first step: an embedding smaller than it fails at
+the first sample that holds it (on a GPU, a device-side assert). hp-data's preprocess records
+it in PREFIX.hp.json as it writes (`max_token_id`, format/metadata.py). Other datasets
+(Megatron's own, hp's builder used directly, an older hp-data's) are scanned once, the `.bin`
+memory-mapped 64 MiB at a time, and the result is kept in the index cache directory under a
+key of the `.bin`'s identity, so a restart reads the record instead: a trillion-token corpus
+is some 2 TB of reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hp_data.cache import fingerprint, resolve_cache_dir
+from hp_data.format.header import drop_pages
+from hp_data.format.metadata import read_metadata
+from hp_data.format.reader import IndexedDataset
+from hp_data.gpt import corpus_fingerprint
+
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """What `token_ids` found for one prefix. No id is above `largest` (exact but where
+    `source` is "dtype") or below `smallest` (None where not known); both are None when the
+    dataset holds no token."""
+
+    largest: int | None
+    smallest: int | None
+    source: str  # "metadata" (PREFIX.hp.json), "dtype", "cache" (an earlier scan) or "scan"
+    metadata: dict[str, Any] | None  # PREFIX.hp.json, for its tokenizer and EOD id
+
+
+def scan(dataset: IndexedDataset) -> tuple[int | None, int | None]:
+    """(smallest, largest) id of the `.bin`, read in bounded chunks of CHUNK_BYTES."""
+    count = os.path.getsize(dataset.bin_path) // dataset.dtype.itemsize
+    if count == 0:
+        return None, None
+    data = np.memmap(dataset.bin_path, dataset.dtype, mode="r", shape=(count,))
+    step = max(1, CHUNK_BYTES // dataset.dtype.itemsize)
+    low, high = [], []
+    for start in range(0, count, step):
+        block = data[start : start + step]
+        low.append(block.min())
+        high.append(block.max())
+        drop_pages(block)  # a scan of the whole corpus does not stay resident
+    return int(min(low)), int(max(high))
+
+
+def _read_record(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            record = json.load(stream)
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: scanned again and rewritten
+    ok = isinstance(record, dict) and all(
+        record.get(k) is None or type(record.get(k)) is int for k in ("largest", "smallest")
+    )
+    return record if ok and "largest" in record else None
+
+
+def token_ids(prefix: str, cache_dir: str | None, vocab_size: int | None = None) -> TokenIds:
+    """The range of ids of the dataset at `prefix`: PREFIX.hp.json's `max_token_id`, else
+    nothing read when `vocab_size` is given and the unsigned dtype cannot hold an id as large,
+    else a scan, recorded in `cache_dir` (the index cache; None: the shared temporary one)."""
+    metadata = read_metadata(prefix)
+    recorded = (metadata or {}).get("max_token_id", False)
+    if recorded is None or type(recorded) is int:  # None: the writer saw no token at all
+        return TokenIds(recorded, None, "metadata", metadata)
+    with IndexedDataset(prefix, validate=False) as dataset:
+        dtype = dataset.dtype
+        # A uint16 dataset (Megatron's choice for vocabularies under 65500) holds no id of
+        # 65536 or more: a vocab_size of at least 65536 needs no scan. Signed dtypes may
+        # hold negative ids, so they are scanned.
+        if vocab_size is not None and dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+            return TokenIds(int(np.iinfo(dtype).max), 0, "dtype", metadata)
+        info = os.stat(dataset.bin_path)
+        key = fingerprint(
+            {
+                "corpus": corpus_fingerprint(dataset),
+                "bin": os.path.realpath(dataset.bin_path),
+                "mtime_ns": info.st_mtime_ns,
+            }
+        )
+        path = os.path.join(resolve_cache_dir(cache_dir), f"{key}-token-ids.json")
+        record = _read_record(path)
+        if record is not None:
+            return TokenIds(record["largest"], record["smallest"], "cache", metadata)
+        smallest, largest = scan(dataset)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as stream:
+            json.dump(
+                {"prefix": dataset.path_prefix, "smallest": smallest, "largest": largest},
+                stream,
+            )
+        os.replace(tmp, path)  # whole or absent: a kill leaves nothing a reader would trust
+        return TokenIds(largest, smallest, "scan", metadata)
