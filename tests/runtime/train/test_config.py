@@ -161,7 +161,7 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),
         ("metrics.peak_tflops=0", "metrics.peak_tflops: must be more than 0"),
         ("optim.lr=nan", "optim.lr: expected a number, got nan"),
-        ("data.eod_token=256", "data.eod_token=256 is not a token id of model.vocab_size=256"),
+        ("data.eod_token=256", "data.eod_token = 256 is not a token id of model.vocab_size = 256"),
         ("data.split=1,x", "data.split: expected up to three non-negative shares"),
     ],
 )

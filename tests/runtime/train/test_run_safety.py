@@ -332,3 +332,23 @@ def test_a_refusal_under_torchrun_is_one_line_from_rank_0(reference, tmp_path, r
     assert len(ours) == 1 and "checkpoint.resume = 'none', but" in ours[0], done.stderr[-2000:]
     assert "/hp_runtime/" not in done.stderr  # no traceback through hp's code
     assert snapshot(target) == before
+
+
+def test_export_refuses_a_crafted_metadata_and_runs_nothing(reference, tmp_path):
+    from hp_runtime.train.hf import export_checkpoint
+    from hp_runtime.train.launch import TrainError
+
+    checkpoint = tmp_path / "step"
+    shutil.copytree(reference / "checkpoints" / "step-0000006", checkpoint)
+    marker = tmp_path / "pwned"
+    with open(checkpoint / ".metadata", "wb") as stream:
+        pickle.dump(_Payload(marker), stream)
+    with pytest.raises(TrainError, match=r"\.metadata: fails its checksum"):
+        export_checkpoint(str(checkpoint), str(tmp_path / "hf"))
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta.pop("xxh3")
+    meta.pop("dcp_metadata_xxh3")  # no checksum to catch it: the unpickler must
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TrainError, match=r"\.metadata: refers to posix\.system"):
+        export_checkpoint(str(checkpoint), str(tmp_path / "hf"))
+    assert not marker.exists() and not (tmp_path / "hf").exists()

@@ -211,6 +211,13 @@ def check_files(path: str, metadata: Any) -> None:
             raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {size} bytes)")
 
 
+def checked_metadata(path: str, meta: dict[str, Any]) -> Any:
+    """DCP's metadata of a checkpoint, its checksum and its shard files' sizes checked."""
+    metadata = _metadata(path, meta)
+    check_files(path, metadata)
+    return metadata
+
+
 def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read: the resolved model
     config first (every field that shapes or means something), naming what differs."""
@@ -564,9 +571,8 @@ def load(
 ) -> None:
     """Load `path` into `state` (any layout), every file checked before anything is applied.
     RNG states come back when the world size is the one that saved them."""
-    metadata = _metadata(path, meta)  # read once for every check
+    metadata = checked_metadata(path, meta)  # read once for every check
     check_tensors(path, metadata, config)
-    check_files(path, metadata)
     states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
     payload = tensors(state)
     try:

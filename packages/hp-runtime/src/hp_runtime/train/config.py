@@ -621,11 +621,6 @@ def check(config: Config) -> None:
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
     model = config.model
-    if data.eod_token is not None and data.eod_token >= model.vocab_size:
-        raise ConfigError(
-            f"data.eod_token={data.eod_token} is not a token id of model.vocab_size="
-            f"{model.vocab_size} (ids are 0 to {model.vocab_size - 1})"
-        )
     if model.num_params() > MAX_PARAMS:
         raise ConfigError(
             f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="

@@ -441,11 +441,14 @@ def export_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint import checked_metadata, read_meta
     from hp_runtime.train.config import build_config
+    from hp_runtime.train.storage import CheckedReader
 
     ExportTarget(out)  # a bad --out is refused before the checkpoint is read
-    config = build_config(tomllib.loads(read_meta(checkpoint)["config"])).model
+    meta = read_meta(checkpoint)
+    checked_metadata(checkpoint, meta)  # checksums, and nothing unpickled beyond DCP's types
+    config = build_config(tomllib.loads(meta["config"])).model
     with torch.device("meta"):
         model = Transformer(config)
     wanted = {
@@ -455,7 +458,7 @@ def export_checkpoint(
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": just so
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": wanted}, checkpoint_id=checkpoint, no_dist=True)
+            dcp.load({"model": wanted}, storage_reader=CheckedReader(checkpoint), no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
         raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc)}") from None
     return write_hf(wanted, config, out, dtype, max_shard_bytes)
