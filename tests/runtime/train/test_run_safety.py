@@ -352,3 +352,34 @@ def test_export_refuses_a_crafted_metadata_and_runs_nothing(reference, tmp_path)
     with pytest.raises(TrainError, match=r"\.metadata: refers to posix\.system"):
         export_checkpoint(str(checkpoint), str(tmp_path / "hf"))
     assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def _users_files(directory: Path) -> dict[str, bytes]:
+    """A user's own files in a directory hp is pointed at."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "notes.txt").write_text("my notes\n")
+    (directory / "sub").mkdir(exist_ok=True)
+    (directory / "sub" / "keep.bin").write_bytes(os.urandom(64))
+    (directory / "step-0000003.txt").write_text("named like a checkpoint\n")
+    return snapshot(directory)
+
+
+def test_train_export_and_plot_leave_a_users_files_alone(reference, tmp_path):
+    """Every hp-train command that writes, pointed at directories holding a user's files,
+    succeeding and failing: those files are byte-identical afterwards."""
+    home = tmp_path / "home"
+    mine = _users_files(home)
+    ok(home, "train.steps=2", "checkpoint.interval=2", "metrics.plot=true")
+    refused(home, "train.steps=4", "checkpoint.resume=none")  # a refusal touches nothing
+    refused(home, "train.steps=4", "model.n_layers=1")
+    checkpoint = home / "checkpoints" / "step-0000002"
+    for out in (home, home / "sub", tmp_path):  # run dir, a user's folder, the cwd's parent
+        done = hp_train_here("export", checkpoint, "--out", out)
+        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert hp_train_here("export", checkpoint, "--out", home / "hf").returncode == 0
+    for out in (home / "sub", home / "notes.txt" / "x.png", home / "missing" / "x.png"):
+        done = hp_train_here("plot", home, "--out", out)
+        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert hp_train_here("plot", home, "--out", home / "curves.png").returncode == 0
+    now = snapshot(home)
+    assert {name: now[name] for name in mine} == mine

@@ -61,6 +61,8 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     except OSError as exc:  # the run's own files: a full disk, a directory made read-only
         where = f"{exc.filename}: " if exc.filename else ""
         _fail(f"{where}{exc.strerror or exc}", 1, 0)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, as promised, without a trace
+        _fail("interrupted; the last committed checkpoint is kept", 130, runtime.rank)
     finally:
         stop()
 

@@ -163,7 +163,9 @@ def resume(
         raise CheckpointError(f"checkpoint.resume = {candidates[0]!r}: {failures[-1]}", False)
     if failures:
         raise CheckpointError(
-            f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}", False
+            f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}; move them "
+            f"aside (hp deletes none) or choose a new train.run_dir to start afresh",
+            False,
         )
     return None
 
