@@ -28,7 +28,6 @@ import os
 import shutil
 import time
 import tomllib
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -310,14 +310,18 @@ def _no_space(exc: BaseException) -> bool:
 class Checkpointer:
     """Saves and finds this run's checkpoints (every rank holds one; rank 0 commits)."""
 
-    def __init__(self, run_dir: str, config: CheckpointConfig, runtime: Runtime) -> None:
+    def __init__(
+        self, run_dir: str, config: CheckpointConfig, runtime: Runtime, identity: str = ""
+    ) -> None:
         self.root = os.path.join(run_dir, CHECKPOINTS)
         self.config, self.runtime = config, runtime
         self.pending: Pending | None = None
         self.last_save_seconds = 0.0
         # The run's id, in every checkpoint it writes: `keep` prunes only these. A fresh or a
-        # seeded run gets a new one (only rank 0 writes or prunes, so only its id counts).
-        self.run_id = uuid.uuid4().hex[:16]
+        # seeded run's is a hash of where it runs and its resolved config (`identity`), so the
+        # same run started twice writes the same bytes; a resumed run keeps the one it had.
+        where = os.path.abspath(run_dir) + "\0" + identity
+        self.run_id = xxhash.xxh3_64_hexdigest(where.encode())
         self.legacy = False  # resumed a checkpoint written before run ids: those are ours
         # A group of its own for the background writes (created by every rank, in order).
         self.group = dist.new_group(backend="gloo") if config.async_save else None

@@ -394,12 +394,9 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
         )
 
 
-@torch.no_grad()
-def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) -> None:
-    """Copy an HF Llama's weights into this rank's model parts (any layout): each parameter's
-    full tensor is read and the local shard kept, as `init_weights` does."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+def check_hf_config(config: ModelConfig, directory: str) -> None:
+    """Refuse an HF directory whose `config.json` is not the model `config` describes (run
+    before any model is built, and again when the weights are read)."""
     expected = model_config_from_hf(directory)
     for key, value in expected.items():
         if getattr(config, key) != value:
@@ -407,6 +404,15 @@ def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) 
                 f"model.init_from: {directory} has {key}={value}, the config model.{key}="
                 f"{getattr(config, key)}; set model.{key} = {value!r}"
             )
+
+
+@torch.no_grad()
+def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) -> None:
+    """Copy an HF Llama's weights into this rank's model parts (any layout): each parameter's
+    full tensor is read and the local shard kept, as `init_weights` does."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    check_hf_config(config, directory)
     weights = read_hf(directory)
     _check_extra(weights, config, directory)
     for module in modules:

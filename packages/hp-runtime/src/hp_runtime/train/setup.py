@@ -31,7 +31,7 @@ from hp_runtime.train.data import (
     pp_microbatches,
 )
 from hp_runtime.train.guard import SpikeGuard
-from hp_runtime.train.hf import init_from_hf
+from hp_runtime.train.hf import check_hf_config, init_from_hf
 from hp_runtime.train.launch import Runtime, TrainError, agree, any_rank
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
 from hp_runtime.train.optim import build_optimizer
@@ -195,8 +195,15 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         if runtime.is_main:
             print(line, file=stream, flush=True)
 
-    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime)
+    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime, to_toml(config))
     candidates = checkpointer.candidates(say)  # what to resume, decided before any write
+    failure = None
+    if config.model_init_from is not None and not candidates:  # before anything is built
+        try:
+            check_hf_config(config.model, config.model_init_from)
+        except TrainError as exc:
+            failure = exc
+        agree(failure, runtime)
     if runtime.is_main:
         write_config(config, t.run_dir)
         print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
