@@ -182,6 +182,8 @@ def test_a_flipped_byte_is_found_and_fallen_back_from(tmp_path, reference, mode)
     assert "resumed from" in done.stdout and "step-0000004" in done.stdout
     # steps 5 and 6 trained again from step 4: the same losses as the first time
     assert losses(target) == losses(reference)
+    # the damaged step-6 is kept aside, not deleted, and never loaded again
+    assert (target / "checkpoints" / "step-0000006.replaced-1" / shard.name).exists()
 
 
 def _legacy_rng(checkpoint: Path) -> None:
@@ -383,3 +385,83 @@ def test_train_export_and_plot_leave_a_users_files_alone(reference, tmp_path):
     assert hp_train_here("plot", home, "--out", home / "curves.png").returncode == 0
     now = snapshot(home)
     assert {name: now[name] for name in mine} == mine
+
+
+def test_a_crafted_optimizer_item_runs_nothing(reference, tmp_path):
+    """DCP stores the optimizer's hyperparameters as pickled byte items, and its own loader
+    unpickles them with weights_only=False: hp's does not."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / "run"
+    shutil.copytree(reference, target)
+    newest = target / "checkpoints" / "step-0000006"
+    dcp_to_torch_save(str(newest), str(tmp_path / "whole.pt"))
+    state = torch.load(tmp_path / "whole.pt", weights_only=False)  # the test's own file
+    marker = tmp_path / "pwned"
+    lr = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
+    state["optim"][lr] = _Payload(marker)
+    for file in newest.glob("*.distcp"):
+        file.unlink()
+    dcp.save(state, storage_writer=FileSystemWriter(str(newest)), no_dist=True)
+    meta = json.loads((newest / "meta.json").read_text())
+    meta.pop("xxh3")
+    meta.pop("dcp_metadata_xxh3")  # written by plain DCP: nothing to check it against
+    (newest / "meta.json").write_text(json.dumps(meta))
+    done = ok(target, "train.steps=6", "checkpoint.interval=2")
+    assert f"optim.{lr}: refers to posix.system" in done.stdout, done.stdout[-2000:]
+    assert "step-0000004" in done.stdout and not marker.exists()
+    assert losses(target) == losses(reference)
+
+
+def _strip_run_ids(run_dir: Path) -> None:
+    """Make a run's checkpoints look as hp wrote them before run ids (and checksums)."""
+    for meta_file in (run_dir / "checkpoints").glob("step-*/meta.json"):
+        meta = json.loads(meta_file.read_text())
+        for key in ("run_id", "xxh3"):
+            meta.pop(key)
+        meta_file.write_text(json.dumps(meta))
+
+
+def test_a_run_from_before_run_ids_resumes_again_and_again(reference, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(reference, target)
+    _strip_run_ids(target)
+    ok(target, "train.steps=8", "checkpoint.interval=2")
+    ok(target, "train.steps=10", "checkpoint.interval=2", "checkpoint.keep=2")
+    names = sorted(p.name for p in (target / "checkpoints").iterdir())
+    assert names == ["step-0000008", "step-0000010"]  # keep pruned the old ones too: one run
+
+
+def test_an_older_checkpoint_of_the_same_directory_is_no_rollback_in_place(reference, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(reference, target)
+    before = snapshot(target)
+    old = target / "checkpoints" / "step-0000004"
+    line = refused(target, "train.steps=8", f"checkpoint.resume={old}")
+    assert "is an older checkpoint of this run directory" in line and "step-0000006" in line
+    assert snapshot(target) == before
+    newest = target / "checkpoints" / "step-0000006"
+    done = ok(target, "train.steps=6", f"checkpoint.resume={newest}")  # the newest: as auto
+    assert "nothing to do" in done.stdout
+
+
+def test_an_optimizer_change_is_refused_but_the_schedule_may_change(reference, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(reference, target)
+    line = refused(target, "train.steps=8", "optim.weight_decay=0.5")
+    assert "optim.weight_decay = 0.5, but" in line and "was trained with 0.1" in line
+    line = refused(target, "train.steps=8", "optim.name=sgd")
+    assert "optim.name = 'sgd', but" in line
+    ok(target, "train.steps=7", "optim.lr=1e-4")
+
+
+def test_a_fresh_start_keeps_the_earlier_log(tmp_path):
+    target = tmp_path / "run"
+    ok(target, "train.steps=2")  # no checkpoint: a rerun starts afresh
+    first = (target / "metrics.jsonl").read_bytes()
+    done = ok(target, "train.steps=2")
+    assert f"keeps the earlier metrics.jsonl as {target / 'metrics.jsonl.1'}" in done.stdout
+    assert (target / "metrics.jsonl.1").read_bytes() == first
+    assert sorted(losses(target)) == [1, 2]

@@ -70,8 +70,6 @@ class CheckpointError(TrainError):
     def __init__(self, message: str, fallback: bool = True) -> None:
         super().__init__(message)
         self.fallback = fallback
-        # A refusal is found alike on every rank; damage may be one rank's (then agreed on).
-        self.everywhere = not fallback
 
 
 class SaveFailed(TrainError):
@@ -236,6 +234,25 @@ def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
             )
 
 
+# What the optimizer's state was built with; the schedule keys (lr, warmup, decay) may change.
+OPTIMIZER_KEYS = ("name", "weight_decay", "decay_embeddings", "beta1", "beta2", "eps", "momentum")
+
+
+def check_optimizer(path: str, meta: dict[str, Any], config: Config) -> None:
+    """Refuse a resume whose optimizer differs from the checkpoint's: its saved hyperparameters
+    would silently win over the config (or another optimizer's state would not load)."""
+    saved = tomllib.loads(meta["config"]).get("optim", {})
+    for key in OPTIMIZER_KEYS:
+        have = getattr(config.optim, key)
+        if key in saved and saved[key] != have:
+            raise CheckpointError(
+                f"optim.{key} = {have!r}, but {path} was trained with {saved[key]!r}: set it "
+                f"back to resume (the schedule's keys, optim.lr, min_lr, warmup and decay, may "
+                f"change)",
+                fallback=False,
+            )
+
+
 def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
     """The checkpoint's model tensors must be exactly the model's, by name and global shape:
     a tensor missing from either side is refused by name, never skipped."""
@@ -322,7 +339,8 @@ class Checkpointer:
         # same run started twice writes the same bytes; a resumed run keeps the one it had.
         where = os.path.abspath(run_dir) + "\0" + identity
         self.run_id = xxhash.xxh3_64_hexdigest(where.encode())
-        self.legacy = False  # resumed a checkpoint written before run ids: those are ours
+        self.done: list[Saved] = []  # committed, not yet logged
+        self.failure: SaveFailed | None = None  # a background save's, until `finish`
         # A group of its own for the background writes (created by every rank, in order).
         self.group = dist.new_group(backend="gloo") if config.async_save else None
 
@@ -338,13 +356,11 @@ class Checkpointer:
         """Continue the run that wrote `meta` (a checkpoint of this run directory)."""
         if meta.get("run_id"):
             self.run_id = meta["run_id"]
-        else:
-            self.legacy = True
 
-    def save(self, state: TrainState, meta: dict[str, Any], block: bool = False) -> Saved | None:
-        """Checkpoint `state`; asynchronous when configured unless `block`. Returns what was
-        committed now (None while a background write goes on: `poll` commits it)."""
-        self.wait()  # one save in flight at a time
+    def save(self, state: TrainState, meta: dict[str, Any], block: bool = False) -> None:
+        """Checkpoint `state`; asynchronous when configured unless `block`. What is committed
+        (now, or by a later `poll`) is handed out by `take`. Every rank calls it."""
+        self.finish()  # one save in flight at a time
         start = time.perf_counter()
         tmp = os.path.join(self.root, TMP + step_name(state.step))
         payload = tensors(state)
@@ -369,7 +385,7 @@ class Checkpointer:
         except OSError as exc:
             failure = exc
         try:
-            agree(self._failed(failure, tmp, nbytes, False) if failure else None, self.runtime)
+            agree(self._failed(failure, tmp, nbytes) if failure else None, self.runtime)
         except TrainError:
             self._remove(tmp)
             raise
@@ -379,39 +395,64 @@ class Checkpointer:
             )
             self.pending = Pending(state.step, future, tmp, start, nbytes)
             self.last_save_seconds = time.perf_counter() - start
-            return None
+            return
         try:
             dcp.save(payload, storage_writer=storage.ChecksumWriter(tmp))
         except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
             self._remove(tmp)
             raise self._failed(exc, tmp, nbytes) from None
         self.last_save_seconds = time.perf_counter() - start
-        return self._commit(state.step, tmp, start, background=False)
+        failure = None
+        try:
+            self._commit(state.step, tmp, start, nbytes, background=False)
+        except SaveFailed as exc:  # rank 0's rename or seal
+            failure = exc
+        agree(failure, self.runtime)
+
+    def take(self) -> list[Saved]:
+        """The checkpoints committed since the last call, for the log."""
+        done, self.done = self.done, []
+        return done
 
     def save_failed(self) -> bool:
-        """Whether the background write has failed (this rank's view; no collective)."""
+        """Whether the background save has failed on this rank (no collective: the loop's
+        stop flag carries it to every rank, which then meet in `finish`)."""
         pending = self.pending
-        return bool(pending and pending.future.done() and pending.future.exception())
+        failed = bool(pending and pending.future.done() and pending.future.exception())
+        return failed or self.failure is not None
 
-    def poll(self) -> Saved | None:
+    def poll(self) -> None:
         """Commit a finished background save (call at step boundaries). Rank 0's write
         finishing means all ranks' did: DCP gathers every rank's result before writing its
-        metadata. A failed one is left for `wait`, which every rank reaches together."""
+        metadata. A failure is kept for `finish`, which every rank reaches together."""
         if self.pending is None or not self.pending.future.done() or self.save_failed():
-            return None
-        return self.wait()
+            return
+        try:
+            self._wait()
+        except SaveFailed as exc:
+            self.failure = exc
 
-    def wait(self) -> Saved | None:
-        """Finish the save in flight, if any, and commit it."""
+    def finish(self) -> None:
+        """Every rank together: the save in flight finished and committed, or its failure
+        raised (by the lowest rank that saw it; the others stop quietly)."""
+        failure = None
+        try:
+            self._wait()
+        except SaveFailed as exc:
+            failure = exc
+        failure, self.failure = failure or self.failure, None
+        agree(failure, self.runtime)
+
+    def _wait(self) -> None:
         if self.pending is None:
-            return None
+            return
         pending, self.pending = self.pending, None
         try:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
             self._remove(pending.tmp)
             raise self._failed(exc, pending.tmp, pending.nbytes) from None
-        return self._commit(pending.step, pending.tmp, pending.started, background=True)
+        self._commit(pending.step, pending.tmp, pending.started, pending.nbytes, True)
 
     def _failed(
         self, exc: BaseException, tmp: str, nbytes: int, everywhere: bool = True
@@ -419,8 +460,9 @@ class Checkpointer:
         step = tmp.rsplit("-", 1)[-1].lstrip("0") or "0"
         need = nbytes * self.runtime.world_size
         free = shutil.disk_usage(self.root if os.path.isdir(self.root) else "/").free
-        # torch's zip writer reports a failed write as "unexpected pos": the disk tells
-        if _no_space(exc) or free < need:
+        # torch's zip writer reports a failed write as "unexpected pos", without the errno
+        hidden = "unexpected pos" in str(exc) or "unexpected pos" in first_line(exc)
+        if _no_space(exc) or (hidden and free < need):
             reason = (
                 f"no space left on the device holding {self.root} (the checkpoint needs "
                 f"~{need / 1e9:.2g} GB, {free / 1e9:.2g} GB are free)"
@@ -439,32 +481,41 @@ class Checkpointer:
         if self.runtime.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _commit(self, step: int, tmp: str, started: float, background: bool) -> Saved:
+    def _commit(self, step: int, tmp: str, started: float, nbytes: int, background: bool) -> None:
         final = os.path.join(self.root, step_name(step))
         if self.runtime.is_main:
-            seal(tmp)
-            aside = None
-            if os.path.exists(final):  # the same step saved again (after a fallback)
-                aside = os.path.join(self.root, f"{TMP}replaced-{step_name(step)}")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.rename(final, aside)
-            os.rename(tmp, final)
-            fd = os.open(self.root, os.O_RDONLY)
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
+                seal(tmp)
+                if os.path.exists(final):  # the same step again, after falling back from it
+                    os.rename(final, self._aside(final))
+                os.rename(tmp, final)
+                fd = os.open(self.root, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._remove(tmp)
+                raise self._failed(exc, tmp, nbytes, everywhere=False) from None
             self._prune()
-        return Saved(step, final, time.perf_counter() - started, background)
+        self.done.append(Saved(step, final, time.perf_counter() - started, background))
+
+    @staticmethod
+    def _aside(final: str) -> str:
+        """Where a checkpoint replaced by a new save of its step is kept: never deleted (it
+        may be damaged, or not this run's), never loaded (not a `step-N` name)."""
+        number = 1
+        while os.path.exists(f"{final}.replaced-{number}"):
+            number += 1
+        return f"{final}.replaced-{number}"
 
     def _owned(self, path: str) -> bool:
         try:
             owner = read_meta(path).get("run_id")
         except CheckpointError:
             return False  # unreadable: not provably this run's, so never deleted
-        return owner == self.run_id or (owner is None and self.legacy)
+        # One written before run ids is this run's: `candidates` lets a directory hold one run.
+        return owner == self.run_id or owner is None
 
     def _prune(self) -> None:
         if not self.config.keep:
@@ -495,14 +546,26 @@ class Checkpointer:
                 )
             return [resume]
         if resume != "auto":
-            say(
-                f"hp-train: checkpoint.resume = {resume!r} seeds a run directory only while it "
-                f"has no checkpoints; {self.root} has its own: continuing from them"
-            )
-        owners = {}
+            inside = os.path.dirname(os.path.abspath(resume)) == os.path.abspath(self.root)
+            if inside and os.path.abspath(resume) != os.path.abspath(own[-1]):
+                raise CheckpointError(
+                    f"checkpoint.resume = {resume!r} is an older checkpoint of this run "
+                    f"directory, which goes on to {os.path.basename(own[-1])}: going back in "
+                    f"place would overwrite the newer ones; seed a new train.run_dir with it, "
+                    f"or use checkpoint.resume = 'auto'",
+                    fallback=False,
+                )
+            if not inside:
+                say(
+                    f"hp-train: checkpoint.resume = {resume!r} seeds a run directory only "
+                    f"while it has no checkpoints; {self.root} has its own: continuing from them"
+                )
+        owners: dict[str, str] = {}
         for path in own:
             with contextlib.suppress(CheckpointError):  # damage: met again when loaded
-                owners.setdefault(read_meta(path).get("run_id"), path)
+                owner = read_meta(path).get("run_id")
+                if owner is not None:  # one written before run ids joins the run resuming it
+                    owners.setdefault(owner, path)
         if len(owners) > 1:
             runs = ", ".join(f"{os.path.basename(p)} (run {r})" for r, p in owners.items())
             raise CheckpointError(
@@ -528,6 +591,7 @@ def check_compatible(
     """Refuse a resume that would not continue the same run: another model, another global
     batch size, or other data (unless `checkpoint.allow_data_change`), naming what changed."""
     check_model(path, meta, config.model)
+    check_optimizer(path, meta, config)
     saved_gbs = meta["global_batch_size"]
     if saved_gbs != global_batch_size:
         raise CheckpointError(
@@ -541,7 +605,8 @@ def check_compatible(
         for key in saved["config"]
         if hasattr(config.data, key) and saved["config"][key] != getattr(config.data, key)
     ]
-    if not changes and not same_data(saved["fingerprint"], fingerprint):
+    # A pipeline's middle stages read no data and hold no fingerprint: the others compare.
+    if not changes and fingerprint and not same_data(saved["fingerprint"], fingerprint):
         changes = ["the corpus files behind the data paths changed"]
     if not changes:
         return
@@ -580,7 +645,11 @@ def load(
     states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
     payload = tensors(state)
     try:
-        dcp.load(payload, storage_reader=storage.CheckedReader(path))
+        dcp.load(
+            payload,
+            storage_reader=storage.CheckedReader(path),
+            planner=storage.SafeLoadPlanner(),
+        )
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
         raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc)}") from None
     if states is not None:

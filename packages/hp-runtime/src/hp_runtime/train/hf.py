@@ -449,7 +449,7 @@ def export_checkpoint(
     from hp_runtime.model import Transformer
     from hp_runtime.train.checkpoint import checked_metadata, read_meta
     from hp_runtime.train.config import build_config
-    from hp_runtime.train.storage import CheckedReader
+    from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
     ExportTarget(out)  # a bad --out is refused before the checkpoint is read
     meta = read_meta(checkpoint)
@@ -464,7 +464,12 @@ def export_checkpoint(
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": just so
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": wanted}, storage_reader=CheckedReader(checkpoint), no_dist=True)
+            dcp.load(
+                {"model": wanted},
+                storage_reader=CheckedReader(checkpoint),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
         raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc)}") from None
     return write_hf(wanted, config, out, dtype, max_shard_bytes)

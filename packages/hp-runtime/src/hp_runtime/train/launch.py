@@ -96,15 +96,17 @@ def agree(failure: BaseException | None, runtime: Runtime) -> None:
     if first == runtime.world_size:
         return
     if failure is not None and first == runtime.rank:
+        failure.everywhere = False  # raised here alone: this rank reports it
         raise failure
     raise PeerFailed(f"rank {first} failed")
 
 
-def any_rank(flag: bool, runtime: Runtime) -> bool:
-    """True on every rank if `flag` is True on any (a collective)."""
-    value = torch.tensor([float(flag)], device=runtime.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+def lowest_message(message: str | None, runtime: Runtime) -> str | None:
+    """The message of the lowest rank that has one, on every rank (None if no rank has): a
+    failure one rank alone found is named by every rank's report, not as 'another rank'."""
+    messages: list[str | None] = [None] * runtime.world_size
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)
 
 
 class StopSignals:

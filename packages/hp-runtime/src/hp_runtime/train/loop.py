@@ -13,7 +13,6 @@ from typing import TextIO
 
 import torch
 
-from hp_runtime.train.checkpoint import Saved
 from hp_runtime.train.config import Config
 from hp_runtime.train.data import BatchPlan, Loader
 from hp_runtime.train.guard import SpikeStop, check_finite
@@ -89,22 +88,21 @@ def train(
             else:
                 result.stopped_by = signals.received or "signal"
 
-    def committed(saved: Saved | None) -> None:
-        """Log a checkpoint once it is committed (never one still being written)."""
-        if saved is None:
-            return
-        metrics.write(
-            {
-                "kind": "checkpoint",
-                "step": saved.step,
-                "path": saved.path,
-                "seconds": saved.seconds,
-                "async": saved.background,
-            }
-        )
-        metrics.say(
-            f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
-        )
+    def log_commits() -> None:
+        """Log checkpoints once they are committed (never one still being written)."""
+        for saved in run.checkpointer.take():
+            metrics.write(
+                {
+                    "kind": "checkpoint",
+                    "step": saved.step,
+                    "path": saved.path,
+                    "seconds": saved.seconds,
+                    "async": saved.background,
+                }
+            )
+            metrics.say(
+                f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
+            )
 
     def near_time_limit() -> bool:
         """Rank 0's clock: stop when two more steps and a save would pass the limit."""
@@ -136,7 +134,8 @@ def train(
                 state.optimizer.zero_grad(set_to_none=True)
                 state.advance()
                 settle(lagged.push(step, values))
-                committed(run.checkpointer.poll())
+                run.checkpointer.poll()
+                log_commits()
                 step_times.append(time.perf_counter() - step_start)
 
                 last = step == t.steps
@@ -165,9 +164,9 @@ def train(
                 if (interval and (step % interval == 0 or last)) or result.stopped_by:
                     settle(lagged.flush())
                     block = bool(result.stopped_by) or not config.checkpoint.async_save
-                    saved = run.checkpointer.save(state, run.meta, block=block)
-                    committed(saved)
-                    if saved is None:
+                    run.checkpointer.save(state, run.meta, block=block)
+                    log_commits()
+                    if run.checkpointer.pending is not None:
                         metrics.say(
                             f"hp-train: checkpoint of step {step}: writing in the background "
                             f"({run.checkpointer.last_save_seconds:.2f} s to stage it)"
@@ -180,7 +179,8 @@ def train(
                 if result.stopped_by:
                     break
             settle(lagged.flush())
-            committed(run.checkpointer.wait())
+            run.checkpointer.finish()
+            log_commits()
         result.seconds = time.perf_counter() - started
         status = "completed" if result.stopped_by is None else f"stopped by {result.stopped_by}"
         metrics.write(

@@ -70,13 +70,22 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def continue_log(run_dir: str, step: int) -> None:
+def continue_log(run_dir: str, step: int, fresh: bool) -> str | None:
     """Make `RUN_DIR/metrics.jsonl` end at `step` (the step a run resumes from): records of
-    later steps, written before the run was stopped or killed, would come again. A fresh run
-    (step 0) starts an empty log."""
+    later steps, written before the run was stopped or killed, would come again. A fresh or a
+    seeded run never inherits another run's records: an existing log is moved aside to
+    `metrics.jsonl.N` (its path is returned), never emptied."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        return
+        return None
+    if fresh:
+        if os.path.getsize(path) == 0:
+            return None
+        number = 1
+        while os.path.exists(f"{path}.{number}"):
+            number += 1
+        os.rename(path, f"{path}.{number}")
+        return f"{path}.{number}"
     kept = []
     with open(path, encoding="utf-8") as stream:
         for line in stream:
@@ -84,11 +93,12 @@ def continue_log(run_dir: str, step: int) -> None:
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a kill
                 continue
-            if step and record.get("step", 0) <= step:
+            if isinstance(record, dict) and record.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
     with open(path + ".tmp", "w", encoding="utf-8") as stream:
         stream.writelines(kept)
     os.replace(path + ".tmp", path)
+    return None
 
 
 class LaggedValues:

@@ -32,7 +32,7 @@ from hp_runtime.train.data import (
 )
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
-from hp_runtime.train.launch import Runtime, TrainError, agree, any_rank
+from hp_runtime.train.launch import Runtime, TrainError, agree, lowest_message
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
 from hp_runtime.train.optim import build_optimizer
 from hp_runtime.train.state import TrainState
@@ -123,6 +123,15 @@ def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
     }
 
 
+def together(outcome: TrainError | None, runtime: Runtime) -> str | None:
+    """One phase of a resume, judged on every rank alike: a refusal on any rank stops them
+    all (the lowest reports it); damage on any is named by the lowest damaged rank's message
+    everywhere (None: no rank found any)."""
+    refused = outcome is not None and not outcome.fallback
+    agree(outcome if refused else None, runtime)
+    return lowest_message(None if outcome is None else str(outcome), runtime)
+
+
 def resume(
     checkpointer: Checkpointer,
     candidates: list[str],
@@ -136,7 +145,7 @@ def resume(
     one before when it cannot be loaded (never silently to a fresh start)."""
     failures = []
     for number, path in enumerate(candidates, 1):
-        failure = None
+        meta: dict[str, Any] = {}
         try:
             meta = read_meta(path)
             check_compatible(
@@ -147,16 +156,22 @@ def resume(
                 datasets.fingerprint,
                 say if runtime.is_main else lambda _: None,
             )
-            load(path, state, runtime, meta, config.model)
+            outcome = None
         except TrainError as exc:
-            if not exc.fallback:  # a run that does not fit the checkpoint: the user decides
-                raise
-            failure = exc
-        if not any_rank(failure is not None, runtime):
+            outcome = exc
+        reason = together(outcome, runtime)
+        if reason is None:
+            try:
+                load(path, state, runtime, meta, config.model)
+                outcome = None
+            except TrainError as exc:
+                outcome = exc
+            reason = together(outcome, runtime)
+        if reason is None:
             if not checkpointer.seeds(path):
                 checkpointer.adopt(meta)
             return path
-        failures.append(str(failure or "another rank could not load it"))
+        failures.append(reason)
         if number < len(candidates):
             say(f"hp-train: warning: {failures[-1]}; trying the checkpoint before it")
     if failures and len(candidates) == 1 and checkpointer.seeds(candidates[0]):
@@ -196,7 +211,12 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             print(line, file=stream, flush=True)
 
     checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime, to_toml(config))
-    candidates = checkpointer.candidates(say)  # what to resume, decided before any write
+    failure, candidates = None, []
+    try:  # what to resume, decided before anything is written
+        candidates = checkpointer.candidates(say)
+    except CheckpointError as exc:
+        failure = exc
+    agree(failure, runtime)
     failure = None
     if config.model_init_from is not None and not candidates:  # before anything is built
         try:
@@ -249,7 +269,10 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         agree(failure, runtime)
         say(f"hp-train: initialised from {config.model_init_from}")
     if runtime.is_main:
-        continue_log(t.run_dir, state.step)
+        fresh = resumed is None or checkpointer.seeds(resumed)
+        aside = continue_log(t.run_dir, state.step, fresh)
+        if aside is not None:
+            say(f"hp-train: a fresh start keeps the earlier metrics.jsonl as {aside}")
     loader = valid_loader = None
     if reads and state.step < t.steps:  # a finished run resumed has nothing left to read
         loader = Loader(

@@ -10,7 +10,8 @@ it reads, and nothing unpickled that is not plain checkpoint data.
 - **No code from a checkpoint.** DCP's `.metadata` is a pickle; `read_metadata` unpickles it
   with a loader that admits only DCP's metadata types and the few torch and builtin types they
   use, and refuses anything else by name. hp's own files are JSON with a checksum of their own
-  (`write_json` / `read_json`); the tensors are read with `torch.load(weights_only=True)`.
+  (`write_json` / `read_json`); tensors and the byte items DCP saves for the optimizer's
+  hyperparameters are read with `torch.load(weights_only=True)` (`SafeLoadPlanner`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import io
 import json
 import os
 import pickle
+import re
 from collections.abc import Sequence
 from typing import IO, Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.filesystem import (
     _StorageReaderTransforms,
     _StorageWriterTransforms,
@@ -182,6 +185,26 @@ def file_digest(path: str) -> str:
     """xxh3-64 of a small file's bytes (DCP's `.metadata`: kilobytes to a few megabytes)."""
     with open(path, "rb") as stream:
         return xxhash.xxh3_64_hexdigest(stream.read())
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but a checkpoint's byte items (the optimizer's hyperparameters:
+    lr, betas, eps, ...) are read with `torch.load(weights_only=True)`; DCP's own reads them
+    with `weights_only=False`, which would run whatever a crafted item holds."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            refused = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            what = refused.group(1) if refused else "something that is not plain data"
+            raise Damaged(
+                f"{read_item.storage_index.fqn}: refers to {what}, which a checkpoint never holds"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def _digest(value: Any) -> str:
