@@ -465,3 +465,23 @@ def test_a_fresh_start_keeps_the_earlier_log(tmp_path):
     assert f"keeps the earlier metrics.jsonl as {target / 'metrics.jsonl.1'}" in done.stdout
     assert (target / "metrics.jsonl.1").read_bytes() == first
     assert sorted(losses(target)) == [1, 2]
+
+
+def test_a_full_disk_under_torchrun_stops_every_rank_with_one_line(tmp_path, repo):
+    """A background save that fails on both ranks: they stop at the same step (the failure
+    travels with the step's stop flag), one line from rank 0, no rank left waiting."""
+    disk = tmp_path / "disk"
+    _tmpfs(disk, "400k")
+    try:
+        target = disk / "run"
+        done = torchrun(2, *TINY, f"train.run_dir={target}", "parallel.dp_shard=2",
+                        "train.global_batch_size=2", "train.steps=6", "checkpoint.interval=2",
+                        "checkpoint.async=true", cwd=repo, timeout=120)  # fmt: skip
+        assert done.returncode != 0
+        ours = [line for line in done.stderr.splitlines() if line.startswith("hp-train: error:")]
+        assert len(ours) == 1 and "no space left on the device" in ours[0], done.stderr[-3000:]
+        assert "/hp_runtime/" not in done.stderr
+        assert list((target / "checkpoints").iterdir()) == []
+        assert records(target, "end")[-1]["status"] == "failed"
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
