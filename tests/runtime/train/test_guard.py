@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
-import pytest
 from hp_runtime.train.guard import SpikeGuard
 
-from tests.helpers.train import FAST, hp_train, records, train_ranks
+from tests.helpers.train import FAST, hp_train_here, records
 
 DUMMY = ["data.type=dummy", "data.seq_length=32", "optim.warmup_steps=0"]
 
@@ -23,10 +22,9 @@ def test_guard_flags_values_far_above_the_window():
     assert guard.losses == deque([2.0, 2.05, 9.0, 2.0], maxlen=4)  # spikes join the window
 
 
-@pytest.mark.slow
 def test_non_finite_loss_stops_at_its_step(tmp_path):
     run = tmp_path / "run"
-    done = hp_train(
+    done = hp_train_here(
         *FAST,
         *DUMMY,
         "train.steps=20",
@@ -43,25 +41,27 @@ def test_non_finite_loss_stops_at_its_step(tmp_path):
     assert end[0]["status"] == "failed" and end[0]["step"] <= 3  # not 50 steps later
 
 
-@pytest.mark.slow
 def test_spike_guard_skips_the_update_or_stops(tmp_path):
     base = [*DUMMY, "train.steps=12", "train.micro_batch_size=2", "optim.lr=1e-2"]
     guard = ["train.spike_window=5", "train.spike_sigma=2.0"]
-    plain = train_ranks(1, [*base, f"train.run_dir={tmp_path / 'plain'}"])[0]
-    run = tmp_path / "skip"
-    guarded = train_ranks(1, [*base, *guard, "train.spike_action=skip", f"train.run_dir={run}"])
-    skipped = guarded[0]["skipped"]
+    plain_run, run = tmp_path / "plain", tmp_path / "skip"
+    assert hp_train_here(*FAST, *base, f"train.run_dir={plain_run}").returncode == 0
+    done = hp_train_here(*FAST, *base, *guard, "train.spike_action=skip", f"train.run_dir={run}")
+    assert done.returncode == 0, done.stderr
+    plain = [r["loss"] for r in records(plain_run)]
+    guarded = [r["loss"] for r in records(run)]
+    skipped = [r["step"] for r in records(run, "skip")]
     assert skipped, "the settings are chosen so that a step is a spike"
     first = skipped[0]
     # identical up to the spike; the step after it starts from parameters without its update
-    assert guarded[0]["losses"][:first] == plain["losses"][:first]
-    assert guarded[0]["losses"][first] != plain["losses"][first]
+    assert guarded[:first] == plain[:first]
+    assert guarded[first] != plain[first]
     record = records(run, "skip")[0]
     assert record["step"] == first and record["samples"] == [2 * first - 2, 2 * first]
     assert [r["skipped"] for r in records(run)][first - 1] is True
 
     stop = tmp_path / "stop"
-    done = hp_train(*FAST, *base, *guard, "train.spike_action=stop", f"train.run_dir={stop}")
+    done = hp_train_here(*FAST, *base, *guard, "train.spike_action=stop", f"train.run_dir={stop}")
     assert done.returncode == 1
     assert done.stderr.startswith(f"hp-train: error: step {first}: ")
     assert "stopping (train.spike_action = 'stop')" in done.stderr
