@@ -134,6 +134,12 @@ def test_export_never_writes_over_what_it_did_not_write(tiny_run, tmp_path, monk
     (tmp_path / "forged" / "config.json").write_text("{}")
     manifest = {"written_by": "hp-train export", "files": ["config.json", "../file.txt"]}
     (tmp_path / "forged" / "hp-export.json").write_text(json.dumps(manifest))
+    garbled = {"list": "[1]", "string": '"x"', "files": '{"files": 3}', "null": "null",
+               "count": '{"written_by": "hp-train export", "files": 3}'}  # fmt: skip
+    for name, text in garbled.items():  # valid JSON, but not a manifest
+        (tmp_path / f"garbled-{name}").mkdir()
+        (tmp_path / f"garbled-{name}" / "config.json").write_text("{}")
+        (tmp_path / f"garbled-{name}" / "hp-export.json").write_text(text)
     (tmp_path / "added").mkdir()  # a previous export a user added a file to
     assert _export(checkpoint, tmp_path / "added").exit_code == 0
     (tmp_path / "added" / "tokenizer.json").write_text("{}")
@@ -145,6 +151,7 @@ def test_export_never_writes_over_what_it_did_not_write(tiny_run, tmp_path, monk
         "mine": not_ours,
         ".": "is the current directory; give a directory inside it, such as ./hf-model",
         "forged": not_ours,
+        **{f"garbled-{name}": not_ours for name in garbled},
         "added": "holds tokenizer.json, which hp-train export did not write; move it out or "
         "give another directory",
         "file.txt": "is a file, not a directory; give a new or empty directory",
