@@ -441,6 +441,19 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     return cls(**{f.name: typed[key_of(f)] for f in fields(cls) if key_of(f) in typed})
 
 
+def build_model(values: dict[str, Any]) -> tuple[str, ModelConfig, str | None]:
+    """(preset name, `ModelConfig`, init_from) from a `[model]` table, checked alone: what
+    export needs of a stored config, whose other sections may be of an older hp-train."""
+    typed = _typed("model", values)
+    preset_name = typed.pop("preset", "tiny")
+    init_from = typed.pop("init_from", None)
+    try:
+        model = dataclasses.replace(PRESETS[preset_name], **typed)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    return preset_name, model, init_from
+
+
 def build_config(tree: dict[str, Any]) -> Config:
     """A checked `Config` from a parsed TOML tree (overrides already merged)."""
     for section, values in tree.items():
@@ -456,13 +469,7 @@ def build_config(tree: dict[str, Any]) -> Config:
             raise ConfigError(f"{section}: [[{section}]] makes a list of tables; write [{section}]")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {_shown(values)}")
-    model_values = _typed("model", tree.get("model", {}))
-    preset_name = model_values.pop("preset", "tiny")
-    init_from = model_values.pop("init_from", None)
-    try:
-        model = dataclasses.replace(PRESETS[preset_name], **model_values)
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
+    preset_name, model, init_from = build_model(tree.get("model", {}))
     sections = {name: _build(name, cls, tree.get(name, {})) for name, cls in SECTIONS.items()}
     config = Config(model_preset=preset_name, model=model, model_init_from=init_from, **sections)
     check(config)
