@@ -195,7 +195,7 @@ def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
         f"train.run_dir={tmp_path}/{'x' * 300}": "the name is too long",
         f"model.init_from={missing}": f"model.init_from: '{missing}': no such file or directory",
         f"model.init_from={file}": f"model.init_from: '{file}' is not a directory",
-        f"checkpoint.resume={missing}": f"checkpoint.resume: '{missing}': no such file",
+        "checkpoint.resume=a\0b": "checkpoint.resume: 'a\\x00b' cannot be a path",
     }
     for override, message in cases.items():
         assert message in _path_error(override)
@@ -206,6 +206,8 @@ def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
     assert f"data.path: '{file}' is not a directory" in _path_error(*hf)
     bad_tokenizer = ["data.type=json_file", f"data.path={file}", f"data.tokenizer={missing}"]
     assert _path_error(*bad_tokenizer).startswith(f"data.tokenizer: {missing}: no such")
+    # a missing resume path is the checkpointer's to refuse: a run with checkpoints ignores it
+    check_paths(load_config(None, [*BASE, f"checkpoint.resume={missing}"]))
     run_dir = tmp_path / "new" / "run"  # a directory still to create is fine
     check_paths(load_config(None, [*BASE, *text, f"data.path={file}", f"train.run_dir={run_dir}"]))
     assert not run_dir.parent.exists()  # the check creates nothing

@@ -597,7 +597,10 @@ def check_paths(config: Config) -> None:
     if config.model_init_from is not None:
         _need("model.init_from", config.model_init_from, "dir")
     if config.checkpoint.resume not in ("auto", "none"):
-        _need("checkpoint.resume", config.checkpoint.resume, "dir")
+        # Only its form: a path seeds an empty run directory and is ignored once the run has
+        # checkpoints of its own (a deleted scratch seed must not stop a preempted run); the
+        # checkpointer refuses a missing one when it would be used.
+        _plain("checkpoint.resume", config.checkpoint.resume)
 
 
 def check(config: Config) -> None:
