@@ -158,6 +158,7 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         ("train.seed=-1", "train.seed: must be from 0 to 2**32 - 1, got -1"),
         ("train.time_limit=-1", "train.time_limit: must be at least 0"),
         ("train.max_norm=-1", "train.max_norm: must be at least 0"),
+        ("data.seq_length=1", "data.seq_length: must be from 2 to 2**31 - 1, got 1"),
         ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),
         ("metrics.peak_tflops=0", "metrics.peak_tflops: must be more than 0"),
         ("optim.lr=nan", "optim.lr: expected a number, got nan"),

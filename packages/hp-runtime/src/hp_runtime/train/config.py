@@ -216,7 +216,7 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": UP_TO_ONE,
     "model.init_std": UP_TO_ONE,
-    "data.seq_length": _ints(1),
+    "data.seq_length": _ints(2),  # hp-data's GPTDataset: a sample predicts at least one token
     "data.seed": _ints(0, SEED_MAX),
     "data.eod_token": _ints(0),
     "data.num_workers": _ints(0, 1024),  # processes per rank
