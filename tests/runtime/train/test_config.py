@@ -235,6 +235,8 @@ def test_megatron_prefixes_and_blends(tmp_path):
     odd = _path_error(*mega, f"data.path=0.3 {a} 0.7")
     assert odd.startswith("data.path") and "expected weight/prefix pairs" in odd
     assert "--data-path" not in odd  # hp-train's key, not Megatron's flag
+    quoted = _path_error(*mega, f"data.path=--data-path {a}")  # the user's text, quoted as is
+    assert quoted == "data.path: blend: '--data-path' is not a weight; write 'WEIGHT PREFIX' pairs"
     valid = _path_error(*mega, f"data.path={a}", f"data.valid_path={b}")
     assert valid.startswith("data.valid_path:")
 

@@ -561,8 +561,8 @@ def _need_corpus(key: str, config: Config, spec: str) -> None:
 
     try:
         prefixes, _ = parse_blend(spec)
-    except HpDataError as exc:  # its messages name Megatron's flag for the same text
-        raise ConfigError(f"{key}: {_reason(exc)}".replace("--data-path", key)) from None
+    except HpDataError as exc:
+        raise ConfigError(f"{key}: {_reason(exc)}") from None
     for prefix in map(prefix_of, prefixes):
         if _kind(journal_path(prefix)) is not None:
             continue  # an interrupted write, which opening the dataset finishes
