@@ -60,6 +60,16 @@ def test_the_cli_exits_1_with_one_line(tmp_path, example_tokenizer):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
+def test_a_missing_key_names_the_cli_flag(tmp_path, example_tokenizer):
+    """hp-data's CLI chooses keys with --json-keys (hp-train names its own key instead)."""
+    corpus = _corpus(tmp_path / "bad.jsonl", b'{"body": "no text"}\n', good_before=5)
+    result = cli("preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", example_tokenizer)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: {corpus}:7: missing key 'text' (choose keys with --json-keys)"
+    )
+
+
 def test_skip_invalid_counts_each_reason_and_shows_where(tmp_path, example_tokenizer):
     lines = [b'{"text": "good"}\n']
     for bad, _, _ in BAD_LINES:

@@ -9,7 +9,7 @@ import pytest
 from hp_runtime.train.config import build_config, load_config
 
 from tests.helpers.run import cli as hp_data
-from tests.helpers.train import hp_train, records, torchrun
+from tests.helpers.train import FAST, hp_train, hp_train_here, records, torchrun
 
 EXAMPLE = "examples/train_tiny.toml"
 
@@ -164,3 +164,19 @@ def test_drawn_bad_overrides_end_cleanly(tmp_path, seed):
         assert len(done.stderr.splitlines()) == 1, done.stderr
     assert (run / "notes.txt").read_text() == "mine"
     assert not _leftovers(str(run))
+
+
+def test_a_missing_text_key_names_hp_trains_key(tmp_path, example_tokenizer):
+    """A json_file record without data.text_key is reported with hp-train's key, not with
+    hp-data's --json-keys flag (which an hp-train user never sets)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a first document"}\n{"body": "no text"}\n')
+    done = hp_train_here(
+        *FAST, "data.type=json_file", f"data.path={corpus}", f"data.tokenizer={example_tokenizer}",
+        f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=8192", "data.seq_length=8",
+        "train.steps=1", f"train.run_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"hp-train: error: data: {corpus}:2: missing key 'text' (choose keys with data.text_key)"
+    ]

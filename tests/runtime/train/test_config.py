@@ -158,6 +158,7 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         ("train.seed=-1", "train.seed: must be from 0 to 2**32 - 1, got -1"),
         ("train.time_limit=-1", "train.time_limit: must be at least 0"),
         ("train.max_norm=-1", "train.max_norm: must be at least 0"),
+        ("data.seq_length=1", "data.seq_length: must be from 2 to 2**31 - 1, got 1"),
         ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),
         ("metrics.peak_tflops=0", "metrics.peak_tflops: must be more than 0"),
         ("optim.lr=nan", "optim.lr: expected a number, got nan"),
@@ -195,7 +196,7 @@ def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
         f"train.run_dir={tmp_path}/{'x' * 300}": "the name is too long",
         f"model.init_from={missing}": f"model.init_from: '{missing}': no such file or directory",
         f"model.init_from={file}": f"model.init_from: '{file}' is not a directory",
-        f"checkpoint.resume={missing}": f"checkpoint.resume: '{missing}': no such file",
+        "checkpoint.resume=a\0b": "checkpoint.resume: 'a\\x00b' cannot be a path",
     }
     for override, message in cases.items():
         assert message in _path_error(override)
@@ -206,6 +207,8 @@ def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
     assert f"data.path: '{file}' is not a directory" in _path_error(*hf)
     bad_tokenizer = ["data.type=json_file", f"data.path={file}", f"data.tokenizer={missing}"]
     assert _path_error(*bad_tokenizer).startswith(f"data.tokenizer: {missing}: no such")
+    # a missing resume path is the checkpointer's to refuse: a run with checkpoints ignores it
+    check_paths(load_config(None, [*BASE, f"checkpoint.resume={missing}"]))
     run_dir = tmp_path / "new" / "run"  # a directory still to create is fine
     check_paths(load_config(None, [*BASE, *text, f"data.path={file}", f"train.run_dir={run_dir}"]))
     assert not run_dir.parent.exists()  # the check creates nothing
@@ -232,6 +235,8 @@ def test_megatron_prefixes_and_blends(tmp_path):
     odd = _path_error(*mega, f"data.path=0.3 {a} 0.7")
     assert odd.startswith("data.path") and "expected weight/prefix pairs" in odd
     assert "--data-path" not in odd  # hp-train's key, not Megatron's flag
+    quoted = _path_error(*mega, f"data.path=--data-path {a}")  # the user's text, quoted as is
+    assert quoted == "data.path: blend: '--data-path' is not a weight; write 'WEIGHT PREFIX' pairs"
     valid = _path_error(*mega, f"data.path={a}", f"data.valid_path={b}")
     assert valid.startswith("data.valid_path:")
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from hp_runtime.model import ModelConfig
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.train import FAST, hp_train
+from tests.helpers.train import FAST, hp_train, hp_train_here
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,6 +134,12 @@ def test_export_never_writes_over_what_it_did_not_write(tiny_run, tmp_path, monk
     (tmp_path / "forged" / "config.json").write_text("{}")
     manifest = {"written_by": "hp-train export", "files": ["config.json", "../file.txt"]}
     (tmp_path / "forged" / "hp-export.json").write_text(json.dumps(manifest))
+    garbled = {"list": "[1]", "string": '"x"', "files": '{"files": 3}', "null": "null",
+               "count": '{"written_by": "hp-train export", "files": 3}'}  # fmt: skip
+    for name, text in garbled.items():  # valid JSON, but not a manifest
+        (tmp_path / f"garbled-{name}").mkdir()
+        (tmp_path / f"garbled-{name}" / "config.json").write_text("{}")
+        (tmp_path / f"garbled-{name}" / "hp-export.json").write_text(text)
     (tmp_path / "added").mkdir()  # a previous export a user added a file to
     assert _export(checkpoint, tmp_path / "added").exit_code == 0
     (tmp_path / "added" / "tokenizer.json").write_text("{}")
@@ -145,6 +151,7 @@ def test_export_never_writes_over_what_it_did_not_write(tiny_run, tmp_path, monk
         "mine": not_ours,
         ".": "is the current directory; give a directory inside it, such as ./hf-model",
         "forged": not_ours,
+        **{f"garbled-{name}": not_ours for name in garbled},
         "added": "holds tokenizer.json, which hp-train export did not write; move it out or "
         "give another directory",
         "file.txt": "is a file, not a directory; give a new or empty directory",
@@ -265,6 +272,26 @@ def test_export_errors_are_one_line(tmp_path):
     assert size.stderr.splitlines() == [
         "hp-train: error: --max-shard-size '5 GBs': give a positive size such as 5GB or 500MiB"
     ]
+
+
+def test_export_reads_only_the_stored_model_config(tiny_run, tmp_path):
+    """A run's other keys may be out of today's ranges or renamed since: export needs only
+    [model], and writes what it writes from the untouched checkpoint."""
+    shutil.copytree(tiny_run / "checkpoints" / "step-0000003", tmp_path / "old")
+    file = tmp_path / "old" / "meta.json"
+    meta = json.loads(file.read_text())
+    meta.pop("xxh3")  # its self-checksum: gone, rather than stale
+    assert "# decay_steps = (none)\n" in meta["config"]
+    meta["config"] = meta["config"].replace("# decay_steps = (none)\n", "decay_steps = 0\n")
+    meta["config"] = meta["config"].replace("[train]\n", "[train]\nlr_warmup = 3\n")  # renamed
+    file.write_text(json.dumps(meta))
+    for name, checkpoint in (
+        ("new", tiny_run / "checkpoints" / "step-0000003"),
+        ("old", file.parent),
+    ):
+        done = hp_train_here("export", checkpoint, "--out", tmp_path / f"hf-{name}")
+        assert done.returncode == 0, done.stderr
+    assert _tree(tmp_path / "hf-old") == _tree(tmp_path / "hf-new")
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from hp_runtime.model import Transformer, preset
 from hp_runtime.train.metrics import peak_for_name
 
-from tests.helpers.train import records, train_ranks
+from tests.helpers.train import hp_train_here, records, train_ranks
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "consumed_samples"}
 
@@ -105,6 +105,34 @@ def test_plot_ignores_a_last_line_cut_by_a_kill(tiny_run, tmp_path):
     assert done.stderr.splitlines() == [
         f"hp-train: error: {run / 'metrics.jsonl'}:2: not a JSON record"
     ]
+
+
+def test_plot_replaces_only_a_png(tiny_run, tmp_path):
+    """--out naming a file that is not a PNG (the run's metrics, a config, a file cut short of
+    the PNG signature, a FIFO) is refused and left as it was; a previous plot is replaced."""
+    pytest.importorskip("matplotlib")
+    run = _copy_run(tiny_run, tmp_path)
+    (tmp_path / "cfg.toml").write_text("[train]\nsteps = 3\n")
+    (tmp_path / "short.png").write_bytes(b"\x89PNG\r\n\x1a")  # 7 of the 8 signature bytes
+    os.mkfifo(tmp_path / "pipe.png")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for out in (run / "metrics.jsonl", tmp_path / "cfg.toml", tmp_path / "short.png",
+                tmp_path / "pipe.png"):  # fmt: skip
+        done = hp_train_here("plot", run, "--out", out)
+        assert done.returncode == 1, out
+        assert done.stderr.splitlines() == [
+            f"hp-train: error: --out {out}: exists and is not a PNG; give a new file path "
+            "(only a PNG is replaced)"
+        ]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    stale = b"\x89PNG\r\n\x1a\n" + b"an older plot"
+    (tmp_path / "old.png").write_bytes(stale)
+    (run / "metrics.png").write_bytes(stale)
+    assert hp_train_here("plot", run, "--out", tmp_path / "old.png").returncode == 0
+    assert hp_train_here("plot", run).returncode == 0  # the default path, rewritten each run
+    for png in (tmp_path / "old.png", run / "metrics.png"):
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and data != stale
 
 
 def test_plot_bad_targets_are_one_line(tiny_run, tmp_path):

@@ -81,6 +81,25 @@ def test_an_explicit_path_seeds_a_run_directory_once(reference, tmp_path):
     assert snapshot(target / "checkpoints") == kept and sorted(losses(target)) == [3, 4, 5, 6]
 
 
+def test_a_seeded_run_goes_on_after_its_seed_is_deleted(reference, tmp_path):
+    """Seed from a scratch checkpoint, delete it, get preempted, run the same command: the
+    path is ignored once the run has its own checkpoints, so it is not required to exist."""
+    seed = tmp_path / "scratch" / "step-0000002"
+    shutil.copytree(reference / "checkpoints" / "step-0000002", seed)
+    target = tmp_path / "b"
+    command = ["checkpoint.interval=2", f"checkpoint.resume={seed}"]
+    ok(target, *command, "train.steps=4")  # 2 steps from the seed, as a preemption would stop
+    shutil.rmtree(seed.parent)
+    again = ok(target, *command, "train.steps=6")
+    assert f"resumed from {target / 'checkpoints' / 'step-0000004'} at step 4" in again.stdout
+    assert losses(target) == {s: v for s, v in losses(reference).items() if s > 2}
+    line = refused(tmp_path / "c", *command, "train.steps=4")  # where it would seed: refused
+    assert (
+        line == f"hp-train: error: checkpoint.resume = {str(seed)!r}: no such checkpoint directory"
+    )
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_fresh_start_never_mixes_with_another_runs_checkpoints(reference, tmp_path):
     target = tmp_path / "old"
     shutil.copytree(reference, target)

@@ -43,6 +43,7 @@ from hp_data.format.metadata import SCHEMA as METADATA_SCHEMA
 from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
 from hp_data.readers import (
+    KEYS_OPTION,
     STDIN,
     Chunk,
     Parsed,
@@ -77,6 +78,7 @@ class PreprocessOptions:
     """Everything besides inputs, output and tokenizer; the defaults are the CLI's."""
 
     json_keys: tuple[str, ...] = ("text",)
+    keys_option: str = KEYS_OPTION  # how messages name the setting of json_keys
     append_eod: bool = False
     eod_token: str | None = None
     add_bos: bool = False
@@ -131,6 +133,7 @@ class _WorkerSpec:
     keep_empty: bool
     dedup: bool
     stop_at_invalid: bool
+    keys_option: str = KEYS_OPTION
     fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
 
@@ -205,13 +208,15 @@ def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
 
 def _work(chunk: Chunk, first: bool = False) -> _Result:
     spec: _WorkerSpec = _worker["spec"]
-    parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid)
+    option = spec.keys_option
+    parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid, keys_option=option)
     result = _Result(
         chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
     )
     if spec.stop_at_invalid and parsed.invalid:
         # The run stops here: read again to report the first problem, a lone surrogate too.
-        result.invalid = read_chunk(chunk, spec.keys, True, check_unicode=True).invalid
+        again = read_chunk(chunk, spec.keys, True, check_unicode=True, keys_option=option)
+        result.invalid = again.invalid
         return result
     dtype = np.dtype(spec.dtype)
     count = len(parsed.texts[0]) if parsed.texts else 0
@@ -223,7 +228,9 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
         encoded, mismatch = _encode(parsed, spec, dtype, chosen)
     except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
         checked = True
-        parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid, check_unicode=True)
+        parsed = read_chunk(
+            chunk, spec.keys, spec.stop_at_invalid, check_unicode=True, keys_option=option
+        )
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
             return result
@@ -232,7 +239,9 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     if _worker["engine"] is not _worker["reference"]:
         result.verified = len(chosen)
     if mismatch is not None:
-        again = read_chunk(chunk, spec.keys, spec.stop_at_invalid, checked, with_offsets=True)
+        again = read_chunk(
+            chunk, spec.keys, spec.stop_at_invalid, checked, with_offsets=True, keys_option=option
+        )
         result.mismatch = (again.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
@@ -446,7 +455,9 @@ def preprocess(
     started = time.perf_counter()
     keys = tuple(options.json_keys)
     if not keys or len(set(keys)) != len(keys):
-        raise PreprocessError(f"--json-keys needs distinct keys, got {' '.join(keys) or 'none'}")
+        raise PreprocessError(
+            f"{options.keys_option} needs distinct keys, got {' '.join(keys) or 'none'}"
+        )
     if options.dedup not in (None, "exact"):
         raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
     if options.workers < 1:
@@ -488,6 +499,7 @@ def preprocess(
         keep_empty=options.keep_empty,
         dedup=options.dedup == "exact",
         stop_at_invalid=not options.skip_invalid,
+        keys_option=options.keys_option,
         fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
     )
@@ -524,11 +536,12 @@ def preprocess(
     try:
         cache = os.path.join(workdir.path, "hf-cache")
         quiet = not options.show_progress
+        option = options.keys_option
         work = (
             chunk
             for i in range(resumed, len(shards))
             for chunk in chunks(
-                i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet
+                i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet, option
             )
         )
         with contextlib.closing(_results(work, spec, options.workers, tokenizer, fast)) as results:

@@ -42,6 +42,9 @@ SUFFIXES = {
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf-saved", "hf")
 _HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
 ROWS_PER_CHUNK = 4096
+# How messages name the setting that chooses the keys: the CLI's flag, unless a caller that
+# configures them otherwise (hp-train's data.text_key) passes its own name.
+KEYS_OPTION = "--json-keys"
 STDIN = "-"
 
 
@@ -239,10 +242,12 @@ def chunks(
     split: str = "train",
     cache_dir: str | None = None,
     quiet: bool = False,
+    keys_option: str = KEYS_OPTION,
 ) -> Iterator[Chunk]:
     """The chunks of one shard in order; the last has `last=True` (an empty shard has one).
 
-    `split`, `cache_dir` (the cache of `load_dataset`) and `quiet` apply to HF datasets."""
+    `split`, `cache_dir` (the cache of `load_dataset`) and `quiet` apply to HF datasets;
+    `keys_option` names the keys' setting in a message about a missing column."""
     if shard.path == STDIN:
         produced = _stream_blocks(index, shard, chunk_bytes, sys.stdin.buffer)
     elif shard.format == "jsonl":
@@ -250,9 +255,9 @@ def chunks(
     elif shard.format in ("jsonl.gz", "jsonl.zst"):
         produced = _compressed_blocks(index, shard, chunk_bytes)
     elif shard.format == "parquet":
-        produced = _parquet_rows(index, shard, keys)
+        produced = _parquet_rows(index, shard, keys, keys_option)
     else:
-        produced = _hf_rows(index, shard, keys, split, cache_dir, quiet)
+        produced = _hf_rows(index, shard, keys, split, cache_dir, quiet, keys_option)
     previous: Chunk | None = None
     for chunk in produced:
         if previous is not None:
@@ -401,7 +406,9 @@ def _require(module: str, extra: str) -> Any:
         ) from None
 
 
-def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chunk]:
+def _parquet_rows(
+    index: int, shard: Shard, keys: Sequence[str], keys_option: str = KEYS_OPTION
+) -> Iterator[Chunk]:
     parquet = _require("pyarrow.parquet", "parquet")
     source = open_url(shard.path) if is_url(shard.path) else shard.path
     try:
@@ -409,7 +416,7 @@ def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chu
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
     names = table.schema_arrow.names
-    _check_columns(shard.path, names, keys)
+    _check_columns(shard.path, names, keys, keys_option)
     rows = max(table.metadata.num_rows, 1)
     groups = range(table.metadata.num_row_groups)
     if shard.end is not None:
@@ -435,12 +442,14 @@ def _parquet_rows(index: int, shard: Shard, keys: Sequence[str]) -> Iterator[Chu
         first += table.metadata.row_group(group).num_rows
 
 
-def _check_columns(path: str, names: Sequence[str], keys: Sequence[str]) -> None:
+def _check_columns(
+    path: str, names: Sequence[str], keys: Sequence[str], keys_option: str = KEYS_OPTION
+) -> None:
     missing = [key for key in keys if key not in names]
     if missing:
         raise PreprocessError(
             f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); "
-            f"choose one with --json-keys"
+            f"choose one with {keys_option}"
         )
 
 
@@ -475,10 +484,16 @@ def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None, quiet: bool
 
 
 def _hf_rows(
-    index: int, shard: Shard, keys: Sequence[str], split: str, cache_dir: str | None, quiet: bool
+    index: int,
+    shard: Shard,
+    keys: Sequence[str],
+    split: str,
+    cache_dir: str | None,
+    quiet: bool,
+    keys_option: str = KEYS_OPTION,
 ) -> Iterator[Chunk]:
     dataset = load_hf_dataset(shard, split, cache_dir, quiet)
-    _check_columns(shard.path, dataset.column_names, keys)
+    _check_columns(shard.path, dataset.column_names, keys, keys_option)
     total = max(len(dataset), 1)
     selected = dataset.select_columns(list(keys))
     for start in range(0, len(dataset), ROWS_PER_CHUNK):
@@ -498,22 +513,25 @@ def read_chunk(
     stop_at_invalid: bool,
     check_unicode: bool = False,
     with_offsets: bool = False,
+    keys_option: str = KEYS_OPTION,
 ) -> Parsed:
     """The valid texts of `chunk`; invalid records are listed (and end the chunk when
-    `stop_at_invalid`).
+    `stop_at_invalid`), a missing key's reason naming the keys' setting as `keys_option`.
 
     JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer can encode. Checking
     every text costs time on every chunk, so the worker asks for `check_unicode` only when the
     tokenizer refused one, and reads the chunk again."""
     if chunk.rows is not None:
-        return _parse_rows(chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets)
+        return _parse_rows(
+            chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets, keys_option
+        )
     if chunk.blob is not None:
         data = chunk.blob
     else:
         with open_corpus(chunk.path, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
-    return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets)
+    return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets, keys_option)
 
 
 def _json_problem(exc: Exception) -> tuple[str, str]:
@@ -553,6 +571,7 @@ def _parse_lines(
     stop_at_invalid: bool,
     check_unicode: bool = False,
     with_offsets: bool = False,
+    keys_option: str = KEYS_OPTION,
 ) -> Parsed:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
@@ -579,7 +598,7 @@ def _parse_lines(
                 if offsets is not None:
                     offsets.append(offset)
                 continue
-            problem = _record_problem(record, keys, check_unicode)
+            problem = _record_problem(record, keys, check_unicode, keys_option)
             if problem is None:
                 for column, key in zip(parsed.texts, keys, strict=True):
                     column.append(record[key])
@@ -593,13 +612,13 @@ def _parse_lines(
 
 
 def _record_problem(
-    record: Any, keys: Sequence[str], check_unicode: bool = False
+    record: Any, keys: Sequence[str], check_unicode: bool = False, keys_option: str = KEYS_OPTION
 ) -> tuple[str, str] | None:
     if not isinstance(record, dict):
         return ("not an object", f"expected a JSON object, got {type(record).__name__}")
     for key in keys:
         if key not in record:
-            return ("missing key", f"missing key {key!r} (choose keys with --json-keys)")
+            return ("missing key", f"missing key {key!r} (choose keys with {keys_option})")
         if not isinstance(record[key], str):
             return ("not a string", f"{key!r} must be a string, got {type(record[key]).__name__}")
         if check_unicode and (at := _surrogate_at(record[key])) is not None:
@@ -613,6 +632,7 @@ def _parse_rows(
     stop_at_invalid: bool,
     check_unicode: bool = False,
     with_offsets: bool = False,
+    keys_option: str = KEYS_OPTION,
 ) -> Parsed:
     count = len(rows[keys[0]]) if keys else 0
     parsed = Parsed([[] for _ in keys], records=count, lines=count)
@@ -621,7 +641,8 @@ def _parse_rows(
     for offset, values in enumerate(zip(*columns, strict=True)):
         problem = None
         if check_unicode or not all(type(value) is str for value in values):
-            problem = _record_problem(dict(zip(keys, values, strict=True)), keys, check_unicode)
+            record = dict(zip(keys, values, strict=True))
+            problem = _record_problem(record, keys, check_unicode, keys_option)
         if problem is None:
             for column, value in zip(parsed.texts, values, strict=True):
                 column.append(value)

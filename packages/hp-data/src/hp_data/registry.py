@@ -43,6 +43,7 @@ class DatasetConfig:
     seed: int = 1234
     vocab_size: int = 32000  # dummy
     text_key: str = "text"
+    text_key_name: str = "text_key"  # how messages name text_key (hp-train: "data.text_key")
     eod_token: int | None = None  # megatron: for eod_mask_loss / reset_position_ids
     input_format: str | None = None  # hf_datasets: "hf-saved" (default detection) or "hf"
     eod_mask_loss: bool = False
@@ -126,6 +127,7 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
                 config.tokenizer,
                 PreprocessOptions(  # type: ignore[arg-type]
                     json_keys=(config.text_key,),
+                    keys_option=config.text_key_name,
                     append_eod=True,
                     input_format=input_format,
                     show_progress=False,

@@ -216,7 +216,7 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": UP_TO_ONE,
     "model.init_std": UP_TO_ONE,
-    "data.seq_length": _ints(1),
+    "data.seq_length": _ints(2),  # hp-data's GPTDataset: a sample predicts at least one token
     "data.seed": _ints(0, SEED_MAX),
     "data.eod_token": _ints(0),
     "data.num_workers": _ints(0, 1024),  # processes per rank
@@ -441,6 +441,19 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     return cls(**{f.name: typed[key_of(f)] for f in fields(cls) if key_of(f) in typed})
 
 
+def build_model(values: dict[str, Any]) -> tuple[str, ModelConfig, str | None]:
+    """(preset name, `ModelConfig`, init_from) from a `[model]` table, checked alone: what
+    export needs of a stored config, whose other sections may be of an older hp-train."""
+    typed = _typed("model", values)
+    preset_name = typed.pop("preset", "tiny")
+    init_from = typed.pop("init_from", None)
+    try:
+        model = dataclasses.replace(PRESETS[preset_name], **typed)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    return preset_name, model, init_from
+
+
 def build_config(tree: dict[str, Any]) -> Config:
     """A checked `Config` from a parsed TOML tree (overrides already merged)."""
     for section, values in tree.items():
@@ -456,13 +469,7 @@ def build_config(tree: dict[str, Any]) -> Config:
             raise ConfigError(f"{section}: [[{section}]] makes a list of tables; write [{section}]")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {_shown(values)}")
-    model_values = _typed("model", tree.get("model", {}))
-    preset_name = model_values.pop("preset", "tiny")
-    init_from = model_values.pop("init_from", None)
-    try:
-        model = dataclasses.replace(PRESETS[preset_name], **model_values)
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
+    preset_name, model, init_from = build_model(tree.get("model", {}))
     sections = {name: _build(name, cls, tree.get(name, {})) for name, cls in SECTIONS.items()}
     config = Config(model_preset=preset_name, model=model, model_init_from=init_from, **sections)
     check(config)
@@ -554,8 +561,8 @@ def _need_corpus(key: str, config: Config, spec: str) -> None:
 
     try:
         prefixes, _ = parse_blend(spec)
-    except HpDataError as exc:  # its messages name Megatron's flag for the same text
-        raise ConfigError(f"{key}: {_reason(exc)}".replace("--data-path", key)) from None
+    except HpDataError as exc:
+        raise ConfigError(f"{key}: {_reason(exc)}") from None
     for prefix in map(prefix_of, prefixes):
         if _kind(journal_path(prefix)) is not None:
             continue  # an interrupted write, which opening the dataset finishes
@@ -590,7 +597,10 @@ def check_paths(config: Config) -> None:
     if config.model_init_from is not None:
         _need("model.init_from", config.model_init_from, "dir")
     if config.checkpoint.resume not in ("auto", "none"):
-        _need("checkpoint.resume", config.checkpoint.resume, "dir")
+        # Only its form: a path seeds an empty run directory and is ignored once the run has
+        # checkpoints of its own (a deleted scratch seed must not stop a preempted run); the
+        # checkpointer refuses a missing one when it would be used.
+        _plain("checkpoint.resume", config.checkpoint.resume)
 
 
 def check(config: Config) -> None:

@@ -103,6 +103,7 @@ def _registry_config(config: Config, split: str, num_samples: int, run_dir: str)
         seed=d.seed + (1 if d.type == "dummy" and split == "valid" else 0),
         vocab_size=config.model.vocab_size,
         text_key=d.text_key,
+        text_key_name="data.text_key",
         eod_token=d.eod_token,
         eod_mask_loss=d.eod_mask_loss,
         reset_position_ids=d.reset_position_ids,

@@ -69,7 +69,9 @@ def _manifest_files(directory: str) -> list[str] | None:
             manifest = json.load(stream)
     except (OSError, ValueError):
         return None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):  # valid JSON, but garbled: `[1]`, `"x"`
+        return None
+    files = manifest.get("files")
     if manifest.get("written_by") != WRITTEN_BY or not isinstance(files, list):
         return None
     if not all(isinstance(f, str) and _OURS.fullmatch(f) for f in files):

@@ -441,20 +441,21 @@ def export_checkpoint(
 ) -> list[str]:
     """A hp-train checkpoint (any layout it was saved from) as an HF Llama directory; the
     model's tensors are read in one process, the optimizer's are not read at all."""
-    import tomllib
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import checked_metadata, read_meta
-    from hp_runtime.train.config import build_config
+    from hp_runtime.train.checkpoint import checked_metadata, read_meta, saved_model
+    from hp_runtime.train.config import ConfigError, build_model
     from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
     ExportTarget(out)  # a bad --out is refused before the checkpoint is read
     meta = read_meta(checkpoint)
     checked_metadata(checkpoint, meta)  # checksums, and nothing unpickled beyond DCP's types
-    config = build_config(tomllib.loads(meta["config"])).model
+    try:  # only [model]: the run's other keys may be of an older hp-train
+        _, config, _ = build_model(saved_model(meta))
+    except ConfigError as exc:
+        raise TrainError(f"{checkpoint}: its stored [model] config: {exc}") from None
     with torch.device("meta"):
         model = Transformer(config)
     wanted = {

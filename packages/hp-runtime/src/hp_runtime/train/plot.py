@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import tempfile
 from typing import Any
 
@@ -52,11 +53,32 @@ def _number(value: Any) -> float:
     return math.nan
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path: str) -> bool:
+    """Whether `path` is a regular file that starts as a PNG does (never opens a FIFO or a
+    device, which could block or be something of the user's)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        with open(path, "rb") as stream:
+            return stream.read(len(PNG_MAGIC)) == PNG_MAGIC
+    except OSError:
+        return False
+
+
 def _check_out(out: str, label: str) -> None:
-    """The PNG's path must be a file in a writable directory; checked before drawing."""
+    """The PNG's path must be a file in a writable directory, and what is there already a PNG
+    (a previous plot, replaced): anything else is the user's and is never overwritten.
+    Checked before drawing."""
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):
         raise TrainError(f"{label}: is a directory; give a file path such as {out}/loss.png")
+    if os.path.lexists(out) and not _is_png(out):
+        raise TrainError(
+            f"{label}: exists and is not a PNG; give a new file path (only a PNG is replaced)"
+        )
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
         raise TrainError(f"{label}: {parent} {what}")
