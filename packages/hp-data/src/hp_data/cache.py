@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hp_data.redact import redact_data
+
 _warned: set[str] = set()
 
 
@@ -132,14 +134,16 @@ def load_or_build(
                 tmp = f"{marker}.tmp-{os.getpid()}"
                 with open(tmp, "w", encoding="utf-8") as stream:
                     shapes = {name: _shape(arrays[name]) for name in names}
-                    json.dump(
-                        {
-                            "key": key,
-                            "class": class_name,
-                            "split": split,
-                            **description,
-                            "arrays": shapes,
-                        },
+                    json.dump(  # no credential is ever stored (`redact_data`)
+                        redact_data(
+                            {
+                                "key": key,
+                                "class": class_name,
+                                "split": split,
+                                **description,
+                                "arrays": shapes,
+                            }
+                        ),
                         stream,
                         indent=2,
                         sort_keys=True,

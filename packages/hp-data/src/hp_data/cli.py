@@ -18,6 +18,7 @@ from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
 from hp_data.readers import FORMATS, discover
+from hp_data.redact import redact, redact_data
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
 
@@ -55,16 +56,27 @@ class _Group(click.Group):
 
 
 def _failure(ctx: click.Context, message: str) -> click.ClickException:
+    message = redact(message)  # an OSError's, or a third party's, may quote a URL
     if ctx.meta.get("hp_json"):
         _emit({}, [message])
     return click.ClickException(message)
 
 
-def _emit(payload: dict[str, Any], problems: Iterable[str] = ()) -> None:
-    """A command's --json output: one object, the same shape on success and failure."""
+def _echo(message: str, err: bool = False) -> None:
+    """Print a line of hp's: every one but a corpus's own text goes through here, so that
+    none shows a credential (`redact`)."""
+    click.echo(redact(message), err=err)
+
+
+def _emit(
+    payload: dict[str, Any], problems: Iterable[str] = (), verbatim: Iterable[str] = ()
+) -> None:
+    """A command's --json output: one object, the same shape on success and failure, with
+    every string redacted but those of the `verbatim` keys (a corpus's own text)."""
     problems = list(problems)
     body = {"schema": SCHEMA, "ok": not problems, "problems": problems, **payload}
-    click.echo(json.dumps(body))
+    kept = {key: body.pop(key) for key in verbatim if key in body}
+    click.echo(json.dumps({**redact_data(body), **kept}))
 
 
 def _json_option(what: str) -> _Decorator:
@@ -112,7 +124,7 @@ def main() -> None:
 
 def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -> str:
     """A warning as users of a command read it: no file, line or source of hp's code."""
-    return f"Warning: {message}\n"
+    return f"Warning: {redact(str(message))}\n"
 
 
 @main.command()
@@ -148,23 +160,23 @@ def inspect(
             if as_json:
                 _emit({"prefix": path}, problems)
             else:
-                click.echo(f"{len(problems)} problem(s):", err=True)
+                _echo(f"{len(problems)} problem(s):", err=True)
                 for problem in problems:
-                    click.echo(f"  {problem}", err=True)
+                    _echo(f"  {problem}", err=True)
             sys.exit(1)
     with IndexedDataset(path, multimodal=multimodal) as dataset:
         report = summarize(dataset)
         if show:
             report["shown"] = show_documents(dataset, show, tokenizer)
     if as_json:
-        _emit(report)
+        _emit(report, verbatim=["shown"])
         return
-    click.echo(format_report(report))
+    _echo(format_report(report))
     if check:
-        click.echo("check: ok, every invariant holds")
+        _echo("check: ok, every invariant holds")
     for shown in report.get("shown", []):
-        click.echo(f"--- document {shown['document']} ---")
-        click.echo(shown["text"])
+        _echo(f"--- document {shown['document']} ---")
+        click.echo(shown["text"])  # the corpus's own text, not a message: shown as it is
 
 
 @main.command()
@@ -190,7 +202,7 @@ def merge(
         if as_json:
             _emit(merged)
             return
-        click.echo(
+        _echo(
             f"merged {merged['shards']} shard(s) into "
             + ", ".join(f"{p}.bin/.idx" for p in merged["outputs"].values())
             + f": {merged['documents']:,} documents"
@@ -217,7 +229,7 @@ def merge(
                 }
             )
             return
-        click.echo(
+        _echo(
             f"merged {len(prefixes)} dataset(s) into {merged.path_prefix}: "
             f"{merged.num_documents:,} documents, {merged.num_tokens:,} tokens, {merged.dtype}"
         )
@@ -276,11 +288,11 @@ def plan_command(
         return
     for row in described["units"]:
         where = f" {row['kind']} {row['start']}-{row['end']}" if "start" in row else ""
-        click.echo(
+        _echo(
             f"unit {row['unit']:>5}  shard {row['shard']:>5}  {row['path']}{where}  "
             f"({row['bytes']:,} bytes)"
         )
-    click.echo(
+    _echo(
         f"{len(planned)} unit(s), {described['total_bytes']:,} bytes, {num_shards} shard(s); "
         f"plan {described['fingerprint']}"
     )
@@ -506,9 +518,7 @@ def preprocess_command(
         )
     for name, value in ignored.items():
         if value and not quiet:
-            click.echo(
-                f"Note: --{name.replace('_', '-')} is Megatron's; hp-data ignores it", err=True
-            )
+            _echo(f"Note: --{name.replace('_', '-')} is Megatron's; hp-data ignores it", err=True)
     if quiet:  # huggingface_hub's download bars too (read when it is first imported)
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     files = resolve_tokenizer(tokenizer, tokenizer_type, vocab_file, merge_file, allow_download)
@@ -548,7 +558,7 @@ def preprocess_command(
         if as_json:
             _emit(report)
         else:
-            click.echo(
+            _echo(
                 f"wrote {', '.join(f'{p}.bin/.idx' for p in report['outputs'].values())} from "
                 f"{report['tasks']} Ray task(s): {report['documents']:,} documents "
                 f"({report['documents_in']:,} in); {report['seconds']:.1f} s"
@@ -560,7 +570,7 @@ def preprocess_command(
     if as_json:
         _emit(summary.as_dict())
     else:
-        click.echo(format_summary(summary))
+        _echo(format_summary(summary))
 
 
 @main.command(name="build-index")
@@ -692,9 +702,9 @@ def build_index(
         return
     for name, entry in report.items():
         state = "cached" if entry["cache_hit"] else f"built in {entry['build_seconds']:.3f} s"
-        click.echo(f"{name}: {entry['samples']:,} samples, {state}")
+        _echo(f"{name}: {entry['samples']:,} samples, {state}")
         for file in entry["files"]:
-            click.echo(f"  {file}")
+            _echo(f"  {file}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,15 @@ import os
 import stat
 from typing import BinaryIO
 
+from hp_data.redact import redact
+
 
 class HpDataError(Exception):
-    """Base class for every error hp-data raises on bad input."""
+    """Base class for every error hp-data raises on bad input. Its message never holds a
+    credential (`redact`): it names inputs by URL, and it is printed, logged and pasted."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class IndexedDatasetError(HpDataError):

@@ -53,6 +53,7 @@ from hp_data.readers import (
     location,
     read_chunk,
 )
+from hp_data.redact import redact_data
 from hp_data.shards import ShardTask
 from hp_data.tokenize import (
     TokenizerFiles,
@@ -328,7 +329,7 @@ class _WorkDir:
         self.manifest["shards"].append({"identity": shard.identity, "stats": stats.__dict__})
         target = os.path.join(self.path, "manifest.json")
         with open(target + ".tmp", "w", encoding="utf-8") as stream:
-            json.dump(self.manifest, stream)
+            json.dump(redact_data(self.manifest), stream)  # no credential is ever stored
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(target + ".tmp", target)

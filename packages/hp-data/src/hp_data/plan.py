@@ -25,6 +25,7 @@ import xxhash
 
 from hp_data.errors import PreprocessError
 from hp_data.readers import STDIN, Shard
+from hp_data.redact import redact
 from hp_data.remote import is_url, open_corpus, open_url
 
 DEFAULT_UNIT_BYTES = 256 << 20
@@ -128,7 +129,7 @@ def describe(units: Sequence[Shard], groups: list[range] | None = None) -> dict[
         kind = "file"
         if unit.end is not None:
             kind = "bytes" if unit.format == "jsonl" else "row groups"
-        row = {"unit": index, "path": unit.path, "format": unit.format, "kind": kind}
+        row = {"unit": index, "path": redact(unit.path), "format": unit.format, "kind": kind}
         if unit.end is not None:
             row |= {"start": unit.start, "end": unit.end}
         row["bytes"] = unit.nbytes

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import TextIO
 
+from hp_data.redact import redact
+
 
 def human(number: float, unit: str = "") -> str:
     """1234567 -> '1.23M' (decimal prefixes, as throughput is usually quoted)."""
@@ -85,6 +87,7 @@ class Progress:
             line = f"{self.label} [{bar}] {fraction:6.1%}  {rates}  {tail}"
         else:
             line = f"{self.label} {human(self.done, 'B')} read  {rates}  {tail}"
+        line = redact(line)  # a label may name an input
         if self.tty:
             self.stream.write("\r" + line + ("\n" if final else ""))
         else:

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from hp_data.errors import PreprocessError, first_line
+from hp_data.redact import redact
 from hp_data.remote import expand, identify, is_url, open_corpus, open_url, size_of
 
 SUFFIXES = {
@@ -65,7 +66,10 @@ class Shard:
 
     @property
     def identity(self) -> list[object]:
-        whole = [self.path, self.format, self.size, self.mtime_ns]
+        """What a resumed run, a shard's manifest and a merge compare: the path as `redact`
+        prints it (so a rotated password or a fresh presigned URL names the same input), with
+        what identifies the contents (size and mtime; a URL's size and ETag or version)."""
+        whole = [redact(self.path), self.format, self.size, self.mtime_ns]
         return whole if self.end is None else [*whole, self.start, self.end]
 
     @property
@@ -188,7 +192,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
             shards.append(Shard(path, fmt, 0, time.time_ns()))
             continue
         if is_url(path):
-            fmt = input_format or _suffix_format(path)
+            fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
             if fmt is None or fmt.startswith("hf"):
                 raise PreprocessError(
                     f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
@@ -660,9 +664,10 @@ def location(shard: Shard, line: int) -> str:
     from the start of the part)."""
     if shard.path == STDIN:
         return f"<stdin>:{line}"
+    name = redact(shard.path)  # kept in manifests and summaries (invalid_examples)
     if shard.format.startswith("jsonl"):
-        return f"{shard.path}:{_lines_before(shard.path, shard.start) + line}"
-    return f"{shard.path}: row {shard.first_row + line}"
+        return f"{name}:{_lines_before(shard.path, shard.start) + line}"
+    return f"{name}: row {shard.first_row + line}"
 
 
 @functools.lru_cache(maxsize=64)

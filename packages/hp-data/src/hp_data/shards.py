@@ -39,6 +39,7 @@ from hp_data.format.reader import IndexedDataset
 from hp_data.plan import fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
 from hp_data.readers import Shard
+from hp_data.redact import redact_data
 
 MANIFEST_VERSION = 2  # 2 added `files`, the size and checksum of each file of the shard
 _NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
@@ -203,7 +204,8 @@ class ShardTask:
             },
             "summary": summary,
         }
-        _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
+        # No credential is ever stored: a URL is named as `redact` prints it.
+        _write_atomic(self.manifest_path, json.dumps(redact_data(manifest), indent=1).encode())
 
 
 def _files_ok(manifest: dict[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from hp_data.format.commit import commit
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, check_token_range
 from hp_data.format.header import drop_pages, pack_header, prefix_of
 from hp_data.format.reader import IndexedDataset
+from hp_data.redact import redact_data
 
 _INT32_MAX = np.iinfo(np.int32).max
 COPY_BUFFER = 16 << 20
@@ -415,7 +416,8 @@ class IndexedDatasetBuilder:
         if self.metadata is not None:
             tmp_metadata = os.path.join(self._tmp, "metadata.json")
             with open(tmp_metadata, "w", encoding="utf-8") as stream:
-                json.dump(self.metadata, stream, indent=1, sort_keys=True)
+                # No credential is ever stored: a tokenizer named by URL is kept redacted.
+                json.dump(redact_data(self.metadata), stream, indent=1, sort_keys=True)
                 stream.write("\n")
                 stream.flush()
                 os.fsync(stream.fileno())
