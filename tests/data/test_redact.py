@@ -36,6 +36,7 @@ CASES = [
         "https://***:***@host/x.jsonl: cannot list: 401, message='Unauthorized', "
         "url='https://***:***@host/x.jsonl?token=***'",
     ),
+    ("https://h/a.jsonl?sig=***:12: bad", "https://h/a.jsonl?sig=***:12: bad"),  # a location
     ("a http://a:b@h/1 and (s3://k:s@b/2)", "a http://***:***@h/1 and (s3://***:***@b/2)"),
 ]
 UNCHANGED = [

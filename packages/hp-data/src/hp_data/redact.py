@@ -19,7 +19,9 @@ MASK = "***"
 # exception's message quotes the URL it failed on: url='https://...').
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}`]*")
 _PARAMETER = re.compile(
-    r"([?&;](?:" + "|".join(map(re.escape, SECRET_PARAMETERS)) + r")=)[^&;#]*", re.IGNORECASE
+    # A value already `***` stays as it is, and what follows it (`:LINE` in a message) too.
+    r"([?&;](?:" + "|".join(map(re.escape, SECRET_PARAMETERS)) + r")=)(?:\*\*\*|[^&;#]*)",
+    re.IGNORECASE,
 )
 
 
