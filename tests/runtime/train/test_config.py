@@ -63,6 +63,14 @@ def test_toml_and_overrides_are_typed(tmp_path):
     assert load_config(str(path)).optim.lr == 1.0  # an integer is a valid float
 
 
+def test_a_credential_in_the_resolved_config_is_written_redacted():
+    url = "https://user:s3cr3t@host/c.jsonl?X-Amz-Signature=SIG"
+    text = to_toml(load_config(None, [*BASE, f"data.valid_path={url}"]))
+    assert "s3cr3t" not in text and "SIG" not in text
+    assert '\nvalid_path = "https://***:***@host/c.jsonl?X-Amz-Signature=***"\n' in text
+    assert "# valid_path: redacted, it held a credential\n" in text
+
+
 def test_resolved_config_reads_back_to_the_same_config():
     config = load_config(None, [*BASE, "model.preset=125m", "parallel.tp_reduce_dtype=float32"])
     assert build_config(tomllib.loads(to_toml(config))) == config

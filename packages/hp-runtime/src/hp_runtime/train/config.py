@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from hp_data.redact import redact
+
 from hp_runtime.model import PRESETS, ModelConfig
 
 
@@ -668,7 +670,8 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(config: Config) -> str:
     """The resolved config as TOML that `load_config` reads back to the same `Config` (keys
-    whose value is none are written as comments)."""
+    whose value is none are written as comments). It is stored (`config.toml`, checkpoints'
+    `meta.json`) and printed, so a value holding a credential is written redacted, and says so."""
     lines = ["[model]", f'preset = "{config.model_preset}"']
     if config.model_init_from is not None:
         lines.append(f"init_from = {_toml_value(config.model_init_from)}")
@@ -682,5 +685,8 @@ def to_toml(config: Config) -> str:
             if value is None:
                 lines.append(f"# {key_of(item)} = (none)")
             else:
-                lines.append(f"{key_of(item)} = {_toml_value(value)}")
+                text = _toml_value(value)
+                if redact(text) != text:
+                    lines.append(f"# {key_of(item)}: redacted, it held a credential")
+                lines.append(f"{key_of(item)} = {redact(text)}")
     return "\n".join(lines) + "\n"
