@@ -504,3 +504,17 @@ def test_a_full_disk_under_torchrun_stops_every_rank_with_one_line(tmp_path, rep
         assert records(target, "end")[-1]["status"] == "failed"
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_credential_in_a_key_is_stored_nowhere(tmp_path):
+    """config.toml, checkpoints' meta.json and the log hold a path's credentials redacted."""
+    target = tmp_path / "run"
+    secret = "SECRETPW7"
+    done = ok(target, "train.steps=2", "checkpoint.interval=2",
+              f"data.path=https://user:{secret}@127.0.0.1:9/corpus")  # fmt: skip
+    assert secret not in done.stdout + done.stderr
+    assert all(secret.encode() not in data for data in snapshot(target).values())
+    assert b"https://***:***@127.0.0.1:9/corpus" in (target / "config.toml").read_bytes()
+    again = ok(target, "train.steps=4", "checkpoint.interval=2",
+               "data.path=https://user:ROTATED@127.0.0.1:9/corpus")  # fmt: skip
+    assert "resumed from" in again.stdout  # the identity does not depend on the secret

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from hp_data.redact import redact_data
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -59,6 +60,8 @@ TMP = ".tmp-"
 META = "meta.json"
 METADATA_KEY = "dcp_metadata_xxh3"  # meta.json's checksum of DCP's .metadata
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# The data keys a checkpoint records and a resume compares (stored redacted: `redact_data`).
+DATA_KEYS = ("type", "path", "valid_path", "split", "seed", "seq_length")
 # Fields that change nothing a checkpoint holds, so a resume may change them.
 INIT_ONLY = {"init_std"}
 
@@ -600,10 +603,11 @@ def check_compatible(
             fallback=False,
         )
     saved = meta["data"]
+    now = redact_data({key: getattr(config.data, key) for key in DATA_KEYS})
     changes = [
-        f"data.{key} changed from {saved['config'][key]!r} to {getattr(config.data, key)!r}"
+        f"data.{key} changed from {saved['config'][key]!r} to {now[key]!r}"
         for key in saved["config"]
-        if hasattr(config.data, key) and saved["config"][key] != getattr(config.data, key)
+        if key in now and saved["config"][key] != now[key]
     ]
     # A pipeline's middle stages read no data and hold no fingerprint: the others compare.
     if not changes and fingerprint and not same_data(saved["fingerprint"], fingerprint):

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
+from hp_data.redact import redact_data
 
 from hp_runtime import __version__
 from hp_runtime.parallel import Assembly, ParallelDims, ParallelOptions, assemble
 from hp_runtime.train.checkpoint import (
+    DATA_KEYS,
     Checkpointer,
     CheckpointError,
     check_compatible,
@@ -115,10 +117,9 @@ def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
         "config": to_toml(config),
         "data": {
             "fingerprint": datasets.fingerprint,
-            "config": {
-                k: getattr(d, k)
-                for k in ("type", "path", "valid_path", "split", "seed", "seq_length")
-            },
+            "config": redact_data(  # stored: a path's credentials never are
+                {k: getattr(d, k) for k in DATA_KEYS}
+            ),
         },
     }
 
