@@ -182,6 +182,9 @@ def test_no_secret_is_printed_or_stored_and_a_new_password_resumes(
     _assert_no_secret(runs, tmp_path)
 
 
+BUCKET = "presigned-credentials-test"
+
+
 @pytest.mark.parametrize("signature", ["s3v4", "s3"])
 def test_a_presigned_url_of_an_s3_server_leaves_no_secret(tmp_path, example_tokenizer, signature):
     """A real S3-compatible server (moto) and boto3's own presigned URLs, SigV4 and SigV2:
@@ -190,8 +193,11 @@ def test_a_presigned_url_of_an_s3_server_leaves_no_secret(tmp_path, example_toke
     from botocore.config import Config
     from moto.server import ThreadedMotoServer
 
+    # moto keeps its buckets per process, across servers: a bucket of this test's own,
+    # removed after, so that the other S3 tests start from what they expect
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    client = None
     try:
         host, port = server.get_host_and_port()
         client = boto3.client(
@@ -199,12 +205,12 @@ def test_a_presigned_url_of_an_s3_server_leaves_no_secret(tmp_path, example_toke
             aws_secret_access_key="SECRETKEY9", region_name="us-east-1",
             config=Config(signature_version=signature),
         )  # fmt: skip
-        client.create_bucket(Bucket="corpus-bucket")
-        client.put_object(Bucket="corpus-bucket", Key="in/a.jsonl", Body=b'{"text": "hi"}\n' * 50)
+        client.create_bucket(Bucket=BUCKET)
+        client.put_object(Bucket=BUCKET, Key="in/a.jsonl", Body=b'{"text": "hi"}\n' * 50)
 
         def presign(key: str) -> str:
             return client.generate_presigned_url(
-                "get_object", Params={"Bucket": "corpus-bucket", "Key": key}, ExpiresIn=600
+                "get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=600
             )
 
         url = presign("in/a.jsonl")
@@ -219,4 +225,8 @@ def test_a_presigned_url_of_an_s3_server_leaves_no_secret(tmp_path, example_toke
             assert not any(secret in text for text in runs.printed), secret
             assert not any(secret.encode() in data for data in stored.values()), secret
     finally:
+        if client is not None and BUCKET in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+            for item in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
+                client.delete_object(Bucket=BUCKET, Key=item["Key"])
+            client.delete_bucket(Bucket=BUCKET)
         server.stop()
