@@ -35,8 +35,9 @@ def journal_path(prefix: str) -> str:
     return os.path.join(directory, f".{name}.hp-commit")
 
 
-def _fsync_directory(directory: str) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """Sync a file or a directory (a directory's entries: what a rename changed) to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
@@ -75,7 +76,7 @@ def _apply(journal: str) -> None:
     for name, target in plan["files"]:
         with contextlib.suppress(FileNotFoundError):  # already in place
             os.replace(os.path.join(journal, name), os.path.join(directory, target))
-    _fsync_directory(directory)
+    fsync_path(directory)
     for link in plan["links"]:
         path = os.path.join(directory, link)
         if os.path.islink(path) and os.readlink(path) == os.path.basename(journal):
@@ -114,9 +115,9 @@ def commit(files: Sequence[tuple[str, str, str, str | None]]) -> None:
         json.dump({"files": moves, "links": links, "remove": stale}, stream)
         stream.flush()
         os.fsync(stream.fileno())
-    _fsync_directory(staging)
+    fsync_path(staging)
     for link in links:  # dangling until the rename below
         os.symlink(os.path.basename(journal), os.path.join(directory, link))
     os.rename(staging, journal)  # the commit point
-    _fsync_directory(directory)
+    fsync_path(directory)
     _apply(journal)

@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from hp_data.format.commit import fsync_path
 from hp_data.redact import redact_data
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -145,9 +146,27 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
+def saved_section(meta: dict[str, Any], name: str) -> dict[str, Any]:
+    """A table (`model`, `optim`, ...) of the config a checkpoint was written with."""
+    return tomllib.loads(meta["config"]).get(name, {})
+
+
 def saved_model(meta: dict[str, Any]) -> dict[str, Any]:
     """The [model] table of the config a checkpoint was written with."""
-    return tomllib.loads(meta["config"])["model"]
+    return saved_section(meta, "model")
+
+
+def first_change(
+    meta: dict[str, Any], name: str, current: Any, keys: Iterable[str]
+) -> tuple[str, Any, Any] | None:
+    """The first of `keys` whose value in `current` (a config section) differs from the
+    checkpoint's [name] table: (key, value now, value saved). A key the checkpoint does not
+    record (written by an older hp) is not compared."""
+    saved = saved_section(meta, name)
+    for key in keys:
+        if key in saved and saved[key] != getattr(current, key):
+            return key, getattr(current, key), saved[key]
+    return None
 
 
 def tensors(state: TrainState) -> dict[str, dict[str, Any]]:
@@ -222,19 +241,16 @@ def checked_metadata(path: str, meta: dict[str, Any]) -> Any:
 def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read: the resolved model
     config first (every field that shapes or means something), naming what differs."""
-    saved = saved_model(meta)
-    for item in fields(ModelConfig):
-        if item.name in INIT_ONLY or item.name not in saved:
-            continue
-        have = getattr(config, item.name)
-        if saved[item.name] != have:
-            raise CheckpointError(
-                f"model.{item.name} = {have!r}, but {path} was trained with "
-                f"{saved[item.name]!r}: a checkpoint resumes only the model that wrote it; set "
-                f"model.{item.name} = {saved[item.name]!r} (or export it and start a new "
-                f"train.run_dir with model.init_from)",
-                fallback=False,
-            )
+    keys = [item.name for item in fields(ModelConfig) if item.name not in INIT_ONLY]
+    change = first_change(meta, "model", config, keys)
+    if change is not None:
+        key, have, saved = change
+        raise CheckpointError(
+            f"model.{key} = {have!r}, but {path} was trained with {saved!r}: a checkpoint "
+            f"resumes only the model that wrote it; set model.{key} = {saved!r} (or export it "
+            f"and start a new train.run_dir with model.init_from)",
+            fallback=False,
+        )
 
 
 # What the optimizer's state was built with; the schedule keys (lr, warmup, decay) may change.
@@ -244,16 +260,14 @@ OPTIMIZER_KEYS = ("name", "weight_decay", "decay_embeddings", "beta1", "beta2", 
 def check_optimizer(path: str, meta: dict[str, Any], config: Config) -> None:
     """Refuse a resume whose optimizer differs from the checkpoint's: its saved hyperparameters
     would silently win over the config (or another optimizer's state would not load)."""
-    saved = tomllib.loads(meta["config"]).get("optim", {})
-    for key in OPTIMIZER_KEYS:
-        have = getattr(config.optim, key)
-        if key in saved and saved[key] != have:
-            raise CheckpointError(
-                f"optim.{key} = {have!r}, but {path} was trained with {saved[key]!r}: set it "
-                f"back to resume (the schedule's keys, optim.lr, min_lr, warmup and decay, may "
-                f"change)",
-                fallback=False,
-            )
+    change = first_change(meta, "optim", config.optim, OPTIMIZER_KEYS)
+    if change is not None:
+        key, have, saved = change
+        raise CheckpointError(
+            f"optim.{key} = {have!r}, but {path} was trained with {saved!r}: set it back to "
+            f"resume (the schedule's keys, optim.lr, min_lr, warmup and decay, may change)",
+            fallback=False,
+        )
 
 
 def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
@@ -492,11 +506,7 @@ class Checkpointer:
                 if os.path.exists(final):  # the same step again, after falling back from it
                     os.rename(final, self._aside(final))
                 os.rename(tmp, final)
-                fd = os.open(self.root, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(self.root)
             except OSError as exc:
                 self._remove(tmp)
                 raise self._failed(exc, tmp, nbytes, everywhere=False) from None

@@ -25,6 +25,8 @@ import stat
 import tempfile
 from collections.abc import Callable
 
+from hp_data.format.commit import fsync_path
+
 from hp_runtime.train.launch import TrainError
 
 MANIFEST = "hp-export.json"
@@ -52,14 +54,6 @@ def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
-
-
-def _fsync(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _manifest_files(directory: str) -> list[str] | None:
@@ -139,9 +133,9 @@ class ExportTarget:
                 json.dump({"written_by": WRITTEN_BY, "files": sorted(files)}, stream, indent=2)
             for file in [*files, MANIFEST]:
                 os.chmod(os.path.join(staging, file), 0o666 & ~_umask())  # safetensors': 0600
-                _fsync(os.path.join(staging, file))
+                fsync_path(os.path.join(staging, file))
             os.chmod(staging, self._mode())
-            _fsync(staging)
+            fsync_path(staging)
             self._swap_in(staging)
         except BaseException as exc:
             if not self._swapped:  # staging is still the new export alone: ours to remove
@@ -149,7 +143,7 @@ class ExportTarget:
             if isinstance(exc, OSError):
                 raise TrainError(f"{self.label}: cannot be written ({exc.strerror})") from None
             raise
-        _fsync(self.parent)
+        fsync_path(self.parent)
         return files
 
     def _mode(self) -> int:
