@@ -5,7 +5,8 @@ The main process turns inputs into *shards* (one per file or HF dataset) and eac
 where it is: `file:line` for JSON lines, `file: row N` for Parquet and HF datasets.
 
 Order: inputs in the order given; a directory or glob stands for its matching files sorted by
-name; inside a file, lines (or rows) in file order.
+name; inside a file, lines (or rows) in file order. An input named again (another spelling, a
+link, a glob or directory that holds it) is read once, where it first occurs, with a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ import orjson
 
 from hp_data.errors import PreprocessError, first_line
 from hp_data.redact import redact
-from hp_data.remote import expand, identify, is_url, open_corpus, open_url, size_of
+from hp_data.remote import canonical_url, expand, identify, is_url, open_corpus, open_url, size_of
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -136,6 +138,47 @@ def _tree_size(path: str) -> tuple[int, int]:
     return size, mtime
 
 
+def _same_input(path: str) -> tuple[object, ...]:
+    """What two names of one input share: standard input; a URL as fsspec normalises it
+    (redacted, so a rotated credential names the same object); a local file or directory by
+    device and inode, so `./a`, a symbolic link and a hard link are `a`."""
+    if path == STDIN:
+        return (STDIN,)
+    if is_url(path):
+        return ("url", redact(canonical_url(path)))
+    stat = os.stat(path)
+    return ("local", stat.st_dev, stat.st_ino)
+
+
+def _read_once(named: Sequence[tuple[str, list[str]]]) -> list[str]:
+    """The paths that the `named` inputs (each with the paths it stands for) stand for, each
+    input once, where it first occurs: a corpus read twice would train on its documents twice.
+    One warning for each name that stood for an input already read."""
+    first: dict[tuple[object, ...], tuple[str, str]] = {}  # input: (its path, its name)
+    for spec, paths in named:
+        again = []
+        for path in paths:
+            key = _same_input(path)
+            if key in first:
+                again.append((path, *first[key]))
+            else:
+                first[key] = (path, spec)
+        if not again:
+            continue
+        if paths == [spec]:  # named outright, not a glob or directory
+            _, earlier, its_name = again[0]
+            if earlier == spec:
+                what = "named more than once" if its_name == spec else f"already in {its_name}"
+            else:
+                what = f"the same input as {earlier}"
+        else:
+            shown = ", ".join(path for path, _, _ in again[:3]) + (", ..." if again[3:] else "")
+            inputs = "input" if len(again) == 1 else "inputs"
+            what = f"holds {len(again)} {inputs} named before ({shown})"
+        warnings.warn(f"{spec}: {what}; read once, where first named", stacklevel=3)
+    return [path for path, _ in first.values()]
+
+
 def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shard]:
     """The shards for paths, globs and directories, in the documented order.
 
@@ -145,8 +188,10 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
     """
     if input_format is not None and input_format not in FORMATS:
         raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
-    paths: list[str] = []
+    named: list[tuple[str, list[str]]] = []  # each input named, with the paths it stands for
     for spec in specs:
+        paths: list[str] = []
+        named.append((spec, paths))
         if is_url(spec):
             found = expand(spec, _corpus_format)
             paths.extend(url for url in found if url == spec or not url.endswith(HP_METADATA))
@@ -176,11 +221,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
             else:
                 paths.append(match)
     shards: list[Shard] = []
-    seen: set[str] = set()
-    for path in paths:
-        if path in seen:
-            continue
-        seen.add(path)
+    for path in _read_once(named):
         if path == STDIN:
             fmt = input_format or "jsonl"
             if fmt not in ("jsonl", "jsonl.gz"):
@@ -188,7 +229,6 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
                     "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
                 )
-            # Never the same input twice: a stream cannot be resumed or identified.
             shards.append(Shard(path, fmt, 0, time.time_ns()))
             continue
         if is_url(path):
