@@ -143,6 +143,12 @@ def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -
     "--tokenizer",
     help="For --show instead of the recorded one: a tokenizer.json, HF directory or hub name.",
 )
+@click.option(
+    "--allow-download",
+    is_flag=True,
+    help="For --show: fetch a hub tokenizer that is not in the local HF cache (tokenizer "
+    "files only), as preprocess does.",
+)
 @click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
 def inspect(
     path: str,
@@ -151,6 +157,7 @@ def inspect(
     quiet: bool,
     show: int,
     tokenizer: str | None,
+    allow_download: bool,
     multimodal: bool,
 ) -> None:
     """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
@@ -167,7 +174,7 @@ def inspect(
     with IndexedDataset(path, multimodal=multimodal) as dataset:
         report = summarize(dataset)
         if show:
-            report["shown"] = show_documents(dataset, show, tokenizer)
+            report["shown"] = show_documents(dataset, show, tokenizer, allow_download)
     if as_json:
         _emit(report, verbatim=["shown"])
         return
