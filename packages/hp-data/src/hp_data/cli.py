@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
@@ -619,10 +620,10 @@ def preprocess_command(
 )
 @click.option(
     "--eval-interval",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=1000,
     show_default=True,
-    help="Megatron's.",
+    help="Megatron's; 0: no validation during training (no valid samples), as in hp-train.",
 )
 @click.option(
     "--split", default="969,30,1", show_default=True, help="Train, valid and test shares."
@@ -667,7 +668,8 @@ def build_index(
 
     Sizes as Megatron computes them from --train-samples or --train-iters with
     --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
-    eval interval + 1) x eval iters x batch, test = eval iters x batch."""
+    eval interval + 1) x eval iters x batch (0 for an eval interval of 0: no validation),
+    test = eval iters x batch."""
     from hp_data.blend import build_datasets, build_report, megatron_sample_counts, parse_blend
 
     spec = " ".join(data_path)
@@ -695,6 +697,15 @@ def build_index(
         counts[:] = megatron_sample_counts(
             train_samples, train_iters, global_batch_size, eval_iters, eval_interval
         )
+    else:
+        # Megatron's sizes without --train-iters or --train-samples would size nothing.
+        context = click.get_current_context()
+        for name in ("global_batch_size", "eval_iters", "eval_interval"):
+            if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+                raise click.UsageError(
+                    f"--{name.replace('_', '-')} sizes the splits only with --train-iters or "
+                    "--train-samples; give one of them, or leave it out"
+                )
     config = GPTDatasetConfig(
         seq_length=seq_len,
         seed=seed,
