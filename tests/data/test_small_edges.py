@@ -103,3 +103,37 @@ def test_warnings_are_one_line_and_a_twice_named_merge_input_says_so(prefix, tmp
     assert merged.returncode == 0
     assert merged.stderr == f"Warning: {prefix}: named more than once; merged once\n"
     assert IndexedDataset(tmp_path / "m").num_documents == IndexedDataset(prefix).num_documents
+
+
+@pytest.mark.parametrize(("suffix", "kind"), [(".jsonl.gz", "gzip"), (".jsonl.zst", "zstd")])
+def test_a_zero_byte_compressed_file_is_no_stream_but_an_empty_stream_is_fine(
+    tmp_path, example_tokenizer, suffix, kind
+):
+    import gzip
+
+    import zstandard
+
+    empty = tmp_path / f"cut{suffix}"
+    empty.write_bytes(b"")
+    tokenizer = ["--tokenizer", example_tokenizer, "--workers", "1", "--quiet"]
+    for options in ([], ["--skip-invalid"]):  # a cut file is never read short
+        result = _run(["preprocess", empty, "--out", tmp_path / "out", *tokenizer, *options])
+        assert result.exit_code == 1
+        assert result.stderr == f"Error: {empty}: empty file, not a {kind} stream\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [empty.name]
+    if kind == "gzip":  # nor are no bytes on standard input
+        piped = CliRunner().invoke(
+            main,
+            ["preprocess", "-", "--input-format", "jsonl.gz", "--out", str(tmp_path / "out")]
+            + [str(a) for a in tokenizer],
+            input=b"",
+        )
+        assert piped.exit_code == 1
+        assert piped.stderr == "Error: standard input: empty, not a gzip stream\n"
+    # The empty stream each tool writes for no bytes is a corpus of no documents.
+    valid = tmp_path / f"none{suffix}"
+    compress = gzip.compress if kind == "gzip" else zstandard.ZstdCompressor().compress
+    valid.write_bytes(compress(b""))
+    result = _run(["preprocess", valid, "--out", tmp_path / "out", *tokenizer, "--json"])
+    assert result.exit_code == 0, result.output
+    assert IndexedDataset(tmp_path / "out").num_documents == 0

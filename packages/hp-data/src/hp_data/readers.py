@@ -416,13 +416,13 @@ def _stream_blocks(
     counted = _Counted(raw)
     reader = counted if shard.format == "jsonl" else _open_compressed(counted, shard.format)
     name = "standard input" if shard.path == STDIN else shard.path
+    kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
     carry = b""
     consumed = 0
     while True:
         try:
             block = reader.read(chunk_bytes)
         except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
-            kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
             raise PreprocessError(f"{name}: corrupt {kind} data: {exc}") from None
         if not block:
             break
@@ -436,6 +436,11 @@ def _stream_blocks(
             index, shard.path, shard.format, blob=data[:cut], input_bytes=counted.count - consumed
         )
         consumed = counted.count
+    if counted.count == 0 and shard.format != "jsonl":
+        # Both readers take no bytes as no lines; an empty stream has a header (20 bytes of
+        # gzip, 9 of zstd), so this is a file cut to nothing, not a compressed empty corpus.
+        empty = "empty" if shard.path == STDIN else "empty file"
+        raise PreprocessError(f"{name}: {empty}, not a {kind} stream")
     if carry or consumed < max(size, counted.count):
         rest = max(size, counted.count) - consumed
         yield Chunk(index, shard.path, shard.format, blob=carry, input_bytes=rest)
