@@ -18,7 +18,7 @@ from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
-from hp_data.readers import FORMATS, discover
+from hp_data.readers import FORMATS, MAX_DOCUMENT_CHARS, discover
 from hp_data.redact import redact, redact_data
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
@@ -426,6 +426,14 @@ def plan_command(
     help="Drop documents whose normalised text was seen before [default: off].",
 )
 @click.option(
+    "--max-document-chars",
+    type=click.IntRange(min=0),
+    default=MAX_DOCUMENT_CHARS,
+    show_default=True,
+    help="A longer text is an invalid record (file:line; skipped with --skip-invalid): "
+    "tokenizers takes hundreds of bytes of memory a character to encode one. 0: no limit.",
+)
+@click.option(
     "--input-format",
     type=click.Choice(list(FORMATS)),
     default=None,
@@ -493,6 +501,7 @@ def preprocess_command(
     skip_invalid: bool,
     keep_empty: bool,
     dedup: str | None,
+    max_document_chars: int,
     input_format: str | None,
     split: str,
     chunk_mb: float,
@@ -542,6 +551,7 @@ def preprocess_command(
         skip_invalid=skip_invalid,
         keep_empty=keep_empty,
         dedup=dedup,
+        max_document_chars=max_document_chars or None,
         input_format=input_format,
         split=split,
         chunk_bytes=int(chunk_mb * (1 << 20)),

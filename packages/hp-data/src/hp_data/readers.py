@@ -49,6 +49,11 @@ ROWS_PER_CHUNK = 4096
 # configures them otherwise (hp-train's data.text_key) passes its own name.
 KEYS_OPTION = "--json-keys"
 STDIN = "-"
+# The longest text read by default. tokenizers holds several structures per byte and per
+# token while it encodes one text (a 11M-character line of CJK text peaked at 4.7 GB), so one
+# enormous record could take a worker's memory; longer ones are invalid records, `file:line`.
+MAX_DOCUMENT_CHARS = 10_000_000
+LENGTH_OPTION = "--max-document-chars"
 
 
 @dataclass(frozen=True)
@@ -563,16 +568,18 @@ def read_chunk(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     """The valid texts of `chunk`; invalid records are listed (and end the chunk when
-    `stop_at_invalid`), a missing key's reason naming the keys' setting as `keys_option`.
+    `stop_at_invalid`), a missing key's reason naming the keys' setting as `keys_option`;
+    a text longer than `max_chars` characters is invalid (None: any length).
 
     JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer can encode. Checking
     every text costs time on every chunk, so the worker asks for `check_unicode` only when the
     tokenizer refused one, and reads the chunk again."""
     if chunk.rows is not None:
         return _parse_rows(
-            chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets, keys_option
+            chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets, keys_option, max_chars
         )
     if chunk.blob is not None:
         data = chunk.blob
@@ -580,7 +587,9 @@ def read_chunk(
         with open_corpus(chunk.path, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
-    return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets, keys_option)
+    return _parse_lines(
+        data, keys, stop_at_invalid, check_unicode, with_offsets, keys_option, max_chars
+    )
 
 
 def _json_problem(exc: Exception) -> tuple[str, str]:
@@ -621,6 +630,7 @@ def _parse_lines(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
@@ -628,6 +638,7 @@ def _parse_lines(
     parsed = Parsed([[] for _ in keys], lines=len(lines))
     offsets = parsed.offsets = [] if with_offsets else None
     single = keys[0] if len(keys) == 1 else None
+    longest = sys.maxsize if max_chars is None else max_chars
     for offset, raw in enumerate(lines):
         if not raw.strip():
             continue
@@ -642,12 +653,13 @@ def _parse_lines(
                 and single is not None
                 and type(record) is dict
                 and type(record.get(single)) is str
+                and len(record[single]) <= longest
             ):
                 parsed.texts[0].append(record[single])  # the common case, checked cheaply
                 if offsets is not None:
                     offsets.append(offset)
                 continue
-            problem = _record_problem(record, keys, check_unicode, keys_option)
+            problem = _record_problem(record, keys, check_unicode, keys_option, longest)
             if problem is None:
                 for column, key in zip(parsed.texts, keys, strict=True):
                     column.append(record[key])
@@ -661,7 +673,11 @@ def _parse_lines(
 
 
 def _record_problem(
-    record: Any, keys: Sequence[str], check_unicode: bool = False, keys_option: str = KEYS_OPTION
+    record: Any,
+    keys: Sequence[str],
+    check_unicode: bool = False,
+    keys_option: str = KEYS_OPTION,
+    longest: int = sys.maxsize,
 ) -> tuple[str, str] | None:
     if not isinstance(record, dict):
         return ("not an object", f"expected a JSON object, got {type(record).__name__}")
@@ -670,6 +686,13 @@ def _record_problem(
             return ("missing key", f"missing key {key!r} (choose keys with {keys_option})")
         if not isinstance(record[key], str):
             return ("not a string", f"{key!r} must be a string, got {type(record[key]).__name__}")
+        if len(record[key]) > longest:
+            return (
+                "too long",
+                f"{key!r} is {len(record[key]):,} characters long, more than {LENGTH_OPTION} "
+                f"{longest:,} (tokenizing a text takes hundreds of bytes of memory a character); "
+                "raise the limit, or skip such records with --skip-invalid",
+            )
         if check_unicode and (at := _surrogate_at(record[key])) is not None:
             return ("lone surrogate", f"{key!r} holds a lone surrogate at character {at}")
     return None
@@ -682,16 +705,18 @@ def _parse_rows(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     count = len(rows[keys[0]]) if keys else 0
     parsed = Parsed([[] for _ in keys], records=count, lines=count)
     offsets = parsed.offsets = [] if with_offsets else None
     columns = [rows[key] for key in keys]
+    longest = sys.maxsize if max_chars is None else max_chars
     for offset, values in enumerate(zip(*columns, strict=True)):
         problem = None
-        if check_unicode or not all(type(value) is str for value in values):
+        if check_unicode or not all(type(v) is str and len(v) <= longest for v in values):
             record = dict(zip(keys, values, strict=True))
-            problem = _record_problem(record, keys, check_unicode, keys_option)
+            problem = _record_problem(record, keys, check_unicode, keys_option, longest)
         if problem is None:
             for column, value in zip(parsed.texts, values, strict=True):
                 column.append(value)
