@@ -54,6 +54,32 @@ def test_build_index_refuses_bad_numbers(extra, expected):
     _refused([*INDEX, *extra], expected)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--global-batch-size", "8"],
+        ["--eval-iters", "5"],
+        ["--eval-interval", "0"],
+        ["--num-samples", "100", "--global-batch-size", "8"],
+    ],
+)
+def test_megatron_size_flags_without_train_iters_are_refused_not_ignored(tmp_path, extra):
+    prefix = str(tmp_path / "c")
+    write_with_hp(prefix, random_corpus(1, max_documents=10))
+    result = CliRunner().invoke(
+        main,
+        ["build-index", "--data-path", prefix, "--seq-len", "8", "--split", "1,0,0"]
+        + ["--cache-dir", str(tmp_path / "cache"), *extra],
+    )
+    assert result.exit_code == 2
+    flag = next(arg for arg in extra if arg != "--num-samples" and arg.startswith("--"))
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: {flag} sizes the splits only with --train-iters or --train-samples; give one "
+        "of them, or leave it out"
+    )
+    assert not (tmp_path / "cache").exists()
+
+
 def test_sample_counts_beyond_memory_are_refused_before_any_work(tmp_path):
     prefix = str(tmp_path / "c")
     write_with_hp(prefix, random_corpus(1, max_documents=10))

@@ -3,16 +3,18 @@ named the wrong file, or did something other than asked without a word."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hp_data import IndexedDataset, IndexedDatasetError
+from hp_data import IndexedDataset, IndexedDatasetError, PreprocessError
 from hp_data.cli import main
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
-from tests.helpers.corpus_files import WRITERS, english_records
-from tests.helpers.run import cli
+from tests.helpers.corpus_files import WRITERS, english_records, write_parquet
+from tests.helpers.run import cli, run_preprocess
 
 
 @pytest.fixture
@@ -103,3 +105,92 @@ def test_warnings_are_one_line_and_a_twice_named_merge_input_says_so(prefix, tmp
     assert merged.returncode == 0
     assert merged.stderr == f"Warning: {prefix}: named more than once; merged once\n"
     assert IndexedDataset(tmp_path / "m").num_documents == IndexedDataset(prefix).num_documents
+
+
+@pytest.mark.parametrize(("suffix", "kind"), [(".jsonl.gz", "gzip"), (".jsonl.zst", "zstd")])
+def test_a_zero_byte_compressed_file_is_no_stream_but_an_empty_stream_is_fine(
+    tmp_path, example_tokenizer, suffix, kind
+):
+    import gzip
+
+    import zstandard
+
+    empty = tmp_path / f"cut{suffix}"
+    empty.write_bytes(b"")
+    tokenizer = ["--tokenizer", example_tokenizer, "--workers", "1", "--quiet"]
+    for options in ([], ["--skip-invalid"]):  # a cut file is never read short
+        result = _run(["preprocess", empty, "--out", tmp_path / "out", *tokenizer, *options])
+        assert result.exit_code == 1
+        assert result.stderr == f"Error: {empty}: empty file, not a {kind} stream\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [empty.name]
+    if kind == "gzip":  # nor are no bytes on standard input
+        piped = CliRunner().invoke(
+            main,
+            ["preprocess", "-", "--input-format", "jsonl.gz", "--out", str(tmp_path / "out")]
+            + [str(a) for a in tokenizer],
+            input=b"",
+        )
+        assert piped.exit_code == 1
+        assert piped.stderr == "Error: standard input: empty, not a gzip stream\n"
+    # The empty stream each tool writes for no bytes is a corpus of no documents.
+    valid = tmp_path / f"none{suffix}"
+    compress = gzip.compress if kind == "gzip" else zstandard.ZstdCompressor().compress
+    valid.write_bytes(compress(b""))
+    result = _run(["preprocess", valid, "--out", tmp_path / "out", *tokenizer, "--json"])
+    assert result.exit_code == 0, result.output
+    assert IndexedDataset(tmp_path / "out").num_documents == 0
+
+
+def test_a_text_past_max_document_chars_is_an_invalid_record_and_shorter_ones_are_untouched(
+    tmp_path, example_tokenizer
+):
+    """One enormous line once took 4.7 GB inside tokenizers: past the limit (here tiny) it is
+    refused at file:line before any tokenizing; at or under it nothing changes."""
+    from tokenizers import Tokenizer
+
+    texts = ["short one", "exactly twenty chars", "this text is longer than twenty", "end"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenizer = ["--tokenizer", example_tokenizer, "--workers", "1", "--quiet"]
+    refused = _run(
+        ["preprocess", corpus, "--out", tmp_path / "x", *tokenizer, "--max-document-chars", "20"]
+    )
+    assert refused.exit_code == 1
+    assert refused.stderr == (
+        f"Error: {corpus}:3: 'text' is 31 characters long, more than --max-document-chars 20 "
+        "(tokenizing a text takes hundreds of bytes of memory a character); raise the limit, "
+        "or skip such records with --skip-invalid\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+    skipped = _run(
+        ["preprocess", corpus, "--out", tmp_path / "x", *tokenizer]
+        + ["--max-document-chars", "20", "--skip-invalid", "--json"]
+    )
+    assert skipped.exit_code == 0, skipped.output
+    assert json.loads(skipped.stdout)["skipped"]["invalid"] == {"too long": 1}
+    reference = Tokenizer.from_file(str(example_tokenizer))
+    kept = [t for t in texts if len(t) <= 20]
+    dataset = IndexedDataset(tmp_path / "x")
+    assert [dataset.get_document(d).tolist() for d in range(dataset.num_documents)] == [
+        reference.encode(t, add_special_tokens=False).ids for t in kept
+    ]
+    table = write_parquet(tmp_path / "t.parquet", [{"text": t} for t in texts])
+    with pytest.raises(PreprocessError, match=r"t.parquet: row 3: 'text' is 31 characters long"):
+        run_preprocess([table], tmp_path / "p", example_tokenizer, max_document_chars=20)
+    for limit in ("31", "0"):  # at the longest text's length, and no limit
+        whole = _run(
+            [
+                "preprocess",
+                corpus,
+                "--out",
+                tmp_path / f"w{limit}",
+                *tokenizer,
+                "--max-document-chars",
+                limit,
+            ]
+        )
+        assert whole.exit_code == 0, whole.output
+        dataset = IndexedDataset(tmp_path / f"w{limit}")
+        assert [dataset.get_document(d).tolist() for d in range(len(texts))] == [
+            reference.encode(t, add_special_tokens=False).ids for t in texts
+        ]

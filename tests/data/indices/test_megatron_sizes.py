@@ -33,6 +33,29 @@ def test_megatron_sizes_by_hand():
     assert megatron_sample_counts(None, 2000, 8, 10, 500) == [16000, 400, 80]
     assert megatron_sample_counts(1003, None, 10, 5, 40) == [1003, 150, 50]
     assert megatron_sample_counts(None, 0, 4) == [0, 400, 400]
+    # An eval interval of 0: no validation during training (hp-train's train.eval_interval).
+    assert megatron_sample_counts(None, 2000, 8, 10, 0) == [16000, 0, 80]
+
+
+def test_build_index_with_eval_interval_0_asks_no_valid_samples(tmp_path, prefixes):
+    args = ["build-index", "--data-path", prefixes[0], "--seq-length", "16", "--seed", "7"]
+    args += ["--split", "80,15,5", "--data-cache-path", str(tmp_path / "hp")]
+    args += ["--train-iters", "40", "--global-batch-size", "4", "--eval-iters", "2"]
+    result = CliRunner().invoke(main, [*args, "--eval-interval", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    splits = json.loads(result.stdout)["splits"]
+    # Megatron's sizes with no validation: train iters x batch, none, eval iters x batch; and
+    # the datasets megatron-core builds for those counts.
+    megatron = build_megatron(
+        [160, 0, 2 * 4], 16, 7, blend=([prefixes[0]], None), split="80,15,5",
+        cache=str(tmp_path / "m"),
+    )  # fmt: skip
+    for name, dataset in zip(("train", "valid", "test"), megatron, strict=True):
+        assert splits[name]["samples"] == len(dataset), name
+    # megatron-core indexes one epoch for any count up to one: the count asked is recorded.
+    (described,) = [f for f in splits["valid"]["files"] if f.endswith("description.json")]
+    with open(described) as stream:
+        assert json.load(stream)["num_samples"] == 0
 
 
 def test_build_index_with_megatrons_flags_equals_megatron(tmp_path, prefixes):

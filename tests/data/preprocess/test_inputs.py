@@ -253,3 +253,58 @@ def test_a_pipe_or_device_path_is_refused_not_read_as_empty(tmp_path, example_to
             run_preprocess([path], tmp_path / "out", example_tokenizer, input_format="jsonl")
     with pytest.raises(PreprocessError, match="standard input .* not jsonl.zst"):
         run_preprocess(["-"], tmp_path / "out", example_tokenizer, input_format="jsonl.zst")
+
+
+def test_an_input_named_twice_is_read_once_where_first_named(
+    tmp_path, example_tokenizer, monkeypatch
+):
+    """Other spellings, links, and a directory and glob over files already named: each
+    document once (Megatron users expect it), in first-named order, with one warning a name."""
+    monkeypatch.chdir(tmp_path)  # relative names, as typed
+    write_jsonl(tmp_path / "f1.jsonl", english_records(1, 3))
+    (tmp_path / "dir").mkdir()
+    for name, seed in (("a", 2), ("b", 3)):
+        write_jsonl(tmp_path / "dir" / f"{name}.jsonl", english_records(seed, 3))
+    os.symlink("f1.jsonl", "link.jsonl")
+    os.link("f1.jsonl", "hard.jsonl")
+    named = ["f1.jsonl", "./f1.jsonl", "link.jsonl", "hard.jsonl", "dir", "dir/*.jsonl"]
+    named += ["dir/b.jsonl", "f1.jsonl"]
+    result = subprocess.run(
+        [HP_DATA, "preprocess", *named, "--out", "twice", "--tokenizer", example_tokenizer]
+        + ["--workers", "1", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"Warning: {name}: {what}; read once, where first named"
+        for name, what in [
+            ("./f1.jsonl", "the same input as f1.jsonl"),
+            ("link.jsonl", "the same input as f1.jsonl"),
+            ("hard.jsonl", "the same input as f1.jsonl"),
+            ("dir/*.jsonl", "holds 2 inputs named before (dir/a.jsonl, dir/b.jsonl)"),
+            ("dir/b.jsonl", "already in dir"),
+            ("f1.jsonl", "named more than once"),
+        ]
+    ]
+    # The reference: a run over each file once.
+    once = ["f1.jsonl", "dir/a.jsonl", "dir/b.jsonl"]
+    run_preprocess(once, tmp_path / "once", example_tokenizer)
+    assert read_bytes(tmp_path / "twice") == read_bytes(tmp_path / "once")
+
+
+def test_urls_and_standard_input_named_twice_are_read_once(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for name in ("a", "b"):
+        fs.pipe(f"/twice/{name}.jsonl", b'{"text": "x"}\n')
+    with pytest.warns(UserWarning) as caught:
+        found = discover(["memory://twice/a.jsonl", "memory:///twice/", "-", "-"])
+    assert [s.path for s in found] == ["memory://twice/a.jsonl", "memory:///twice/b.jsonl", "-"]
+    assert [str(w.message) for w in caught] == [
+        "memory:///twice/: holds 1 input named before (memory:///twice/a.jsonl); "
+        "read once, where first named",
+        "-: named more than once; read once, where first named",
+    ]

@@ -221,3 +221,33 @@ def test_gpt2_files_named_relatively_load_from_another_directory(tmp_path, gpt2_
     text = "Relative paths, it's 12 o'clock."
     reference = GPT2Tokenizer(str(vocab), str(merges))
     assert files.load().encode(text).ids == reference.encode(text)
+
+
+def test_inspect_show_fetches_a_recorded_hub_tokenizer_only_with_allow_download(
+    tmp_path, example_tokenizer
+):
+    """inspect --show advised --allow-download, which inspect did not take: it takes it now,
+    and fetches only then (the record's bytes still checked)."""
+    files = {"tokenizer.json": example_tokenizer.read_bytes(), "model.safetensors": b"\0" * 64}
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    with hub_server("hp-org/shown", files) as (endpoint, requested):
+        env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "first")}
+        env.pop("HF_HUB_OFFLINE", None)
+        made = cli("preprocess", corpus, "--out", tmp_path / "d", "--tokenizer", "hp-org/shown",
+                   "--allow-download", "--workers", "1", "--quiet", env=env)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        env["HF_HUB_CACHE"] = str(tmp_path / "elsewhere")  # the recorded files are not here
+        (tmp_path / "first").rename(tmp_path / "gone")
+        fetched = len(requested)
+        refused = cli("inspect", tmp_path / "d", "--show", "1", env=env)
+        assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1
+        assert "hp-org/shown: no such file or directory, and not in the Hugging Face cache" in (
+            refused.stderr
+        )
+        assert "fetch it with --allow-download" in refused.stderr
+        assert len(requested) == fetched  # offline unless allowed
+        shown = cli("inspect", tmp_path / "d", "--show", "1", "--allow-download", env=env)
+        assert shown.returncode == 0, shown.stderr
+    ids = IndexedDataset(str(tmp_path / "d")).get_document(0).tolist()
+    text = Tokenizer.from_file(str(example_tokenizer)).decode(ids)
+    assert shown.stdout.endswith(f"--- document 0 ---\n{text}\n")

@@ -97,7 +97,7 @@ def test_a_finished_shard_is_not_redone_and_merge_checks_every_shard(
     run_preprocess(inputs[:2], out, example_tokenizer, shard_index=2, **options)
     with pytest.raises(PreprocessError, match=r"x.shard-00002-of-00003.json: made with other in"):
         merge_shards(str(out))
-    Path(f"{out}.shard-00002-of-00003.json").write_text('{"version": 1}')
+    Path(f"{out}.shard-00002-of-00003.json").write_text('{"version": 2}')
     with pytest.raises(PreprocessError, match=r"x.shard-00002-of-00003.json: not a shard manif"):
         merge_shards(str(out))
     run_preprocess(inputs, out, example_tokenizer, shard_index=2, **options)
@@ -261,7 +261,19 @@ def _old_manifest(out: Path) -> tuple[int, str]:
     return 1, f"{path.name}: a shard manifest of version 1, not 2"
 
 
-@pytest.mark.parametrize("damage", [_copy_over, _flip_a_byte, _truncate_the_idx, _old_manifest])
+def _newer_manifest(out: Path) -> tuple[int, str]:
+    """A manifest of a later hp-data, with fields this one does not know and without some
+    it needs: judged by its version, not as a broken manifest of this one."""
+    path = _shard(out, 2, ".json")
+    manifest = json.loads(path.read_text())
+    del manifest["units"]
+    path.write_text(json.dumps({**manifest, "version": 3, "segments": [[0, 1]]}))
+    return 2, f"{path.name}: a shard manifest of version 3, not 2 (from a newer hp-data); "
+
+
+@pytest.mark.parametrize(
+    "damage", [_copy_over, _flip_a_byte, _truncate_the_idx, _old_manifest, _newer_manifest]
+)
 def test_merge_refuses_shard_files_unlike_their_manifest_and_a_rerun_mends_it(
     tmp_path, finished_shards, corpus, example_tokenizer, damage
 ):
@@ -318,3 +330,57 @@ def test_preprocess_and_merge_leave_the_users_other_files_alone(
         assert hp_data(*args) == 1, args
     _assert_user_files_intact(out)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == written
+
+
+def test_merge_named_by_a_megatron_dataset_prefix_names_the_run_to_merge(
+    tmp_path, corpus, example_tokenizer
+):
+    """`--output-prefix P` writes `P_text_document.shard-*` with manifests `P.shard-*.json`;
+    `merge P_text_document --shards` once read the shards' `.hp.json` as manifests."""
+    options = {"num_shards": 2, "megatron_names": True, "unit_bytes": 20_000}
+    for index in range(2):
+        run_preprocess(corpus[1:2], tmp_path / "P", example_tokenizer, shard_index=index, **options)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert "P_text_document.shard-00000-of-00002.hp.json" in before  # what the glob also met
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "P_text_document"), "--shards"])
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"Error: {tmp_path / 'P_text_document'}: a dataset of the sharded run {tmp_path / 'P'}; "
+        f"merge with hp-data merge {tmp_path / 'P'} --shards (it writes each key's dataset, "
+        "this one too)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+    # Doing as told gives the one-machine run's dataset at the name first asked for.
+    assert CliRunner().invoke(main, ["merge", str(tmp_path / "P"), "--shards"]).exit_code == 0
+    one = run_preprocess(corpus[1:2], tmp_path / "one", example_tokenizer, megatron_names=True)
+    assert read_bytes(tmp_path / "P_text_document", metadata=True) == read_bytes(
+        one.outputs["text"], metadata=True
+    )
+
+
+@pytest.mark.parametrize("change", ["gap", "overlap", "garbage"])
+def test_a_manifest_whose_units_do_not_follow_on_says_how(tmp_path, finished_shards, change):
+    out = tmp_path / "out"
+    shutil.copytree(finished_shards, out)
+    path = _shard(out, 1, ".json")
+    manifest = json.loads(path.read_text())
+    end = json.loads(_shard(out, 0, ".json").read_text())["units"][1]  # where shard 0 ends
+    stop = manifest["units"][1]
+    start, problem = {
+        "gap": (end + 1, f"leaves out units {end} to {end + 1}"),
+        "overlap": (end - 1, f"repeats units {end - 1} to {end}"),
+        "garbage": (None, None),
+    }[change]
+    units = "3-9" if start is None else [start, stop]
+    path.write_text(json.dumps({**manifest, "units": units}))
+    with pytest.raises(PreprocessError) as refused:
+        merge_shards(str(out / "x"))
+    if problem is None:
+        expected = f"{path.name}: its 'units' is not [start, stop]; rerun shard 1"
+    else:
+        expected = (
+            f"{path.name}: covers units {start} to {stop}, but the shards before it end at "
+            f"unit {end}, so the merge {problem}; rerun it with the same command line"
+        )
+    assert expected in str(refused.value)
+    assert not list(out.glob("x.[bih]*"))

@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from hp_data.errors import HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
-from hp_data.readers import FORMATS, discover
+from hp_data.readers import FORMATS, MAX_DOCUMENT_CHARS, discover
 from hp_data.redact import redact, redact_data
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
@@ -143,6 +144,12 @@ def _one_line_warning(message: Warning | str, *args: object, **kwargs: object) -
     "--tokenizer",
     help="For --show instead of the recorded one: a tokenizer.json, HF directory or hub name.",
 )
+@click.option(
+    "--allow-download",
+    is_flag=True,
+    help="For --show: fetch a hub tokenizer that is not in the local HF cache (tokenizer "
+    "files only), as preprocess does.",
+)
 @click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
 def inspect(
     path: str,
@@ -151,6 +158,7 @@ def inspect(
     quiet: bool,
     show: int,
     tokenizer: str | None,
+    allow_download: bool,
     multimodal: bool,
 ) -> None:
     """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
@@ -167,7 +175,7 @@ def inspect(
     with IndexedDataset(path, multimodal=multimodal) as dataset:
         report = summarize(dataset)
         if show:
-            report["shown"] = show_documents(dataset, show, tokenizer)
+            report["shown"] = show_documents(dataset, show, tokenizer, allow_download)
     if as_json:
         _emit(report, verbatim=["shown"])
         return
@@ -418,6 +426,14 @@ def plan_command(
     help="Drop documents whose normalised text was seen before [default: off].",
 )
 @click.option(
+    "--max-document-chars",
+    type=click.IntRange(min=0),
+    default=MAX_DOCUMENT_CHARS,
+    show_default=True,
+    help="A longer text is an invalid record (file:line; skipped with --skip-invalid): "
+    "tokenizers takes hundreds of bytes of memory a character to encode one. 0: no limit.",
+)
+@click.option(
     "--input-format",
     type=click.Choice(list(FORMATS)),
     default=None,
@@ -485,6 +501,7 @@ def preprocess_command(
     skip_invalid: bool,
     keep_empty: bool,
     dedup: str | None,
+    max_document_chars: int,
     input_format: str | None,
     split: str,
     chunk_mb: float,
@@ -534,6 +551,7 @@ def preprocess_command(
         skip_invalid=skip_invalid,
         keep_empty=keep_empty,
         dedup=dedup,
+        max_document_chars=max_document_chars or None,
         input_format=input_format,
         split=split,
         chunk_bytes=int(chunk_mb * (1 << 20)),
@@ -612,10 +630,10 @@ def preprocess_command(
 )
 @click.option(
     "--eval-interval",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=1000,
     show_default=True,
-    help="Megatron's.",
+    help="Megatron's; 0: no validation during training (no valid samples), as in hp-train.",
 )
 @click.option(
     "--split", default="969,30,1", show_default=True, help="Train, valid and test shares."
@@ -660,7 +678,8 @@ def build_index(
 
     Sizes as Megatron computes them from --train-samples or --train-iters with
     --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
-    eval interval + 1) x eval iters x batch, test = eval iters x batch."""
+    eval interval + 1) x eval iters x batch (0 for an eval interval of 0: no validation),
+    test = eval iters x batch."""
     from hp_data.blend import build_datasets, build_report, megatron_sample_counts, parse_blend
 
     spec = " ".join(data_path)
@@ -688,6 +707,15 @@ def build_index(
         counts[:] = megatron_sample_counts(
             train_samples, train_iters, global_batch_size, eval_iters, eval_interval
         )
+    else:
+        # Megatron's sizes without --train-iters or --train-samples would size nothing.
+        context = click.get_current_context()
+        for name in ("global_batch_size", "eval_iters", "eval_interval"):
+            if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+                raise click.UsageError(
+                    f"--{name.replace('_', '-')} sizes the splits only with --train-iters or "
+                    "--train-samples; give one of them, or leave it out"
+                )
     config = GPTDatasetConfig(
         seq_length=seq_len,
         seed=seed,

@@ -44,6 +44,7 @@ from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
 from hp_data.readers import (
     KEYS_OPTION,
+    MAX_DOCUMENT_CHARS,
     STDIN,
     Chunk,
     Parsed,
@@ -101,6 +102,7 @@ class PreprocessOptions:
     allow_download: bool = False  # a hub tokenizer not in the local cache may be fetched
     megatron_names: bool = False  # PREFIX_{key}_document for every key, as Megatron names them
     verify: bool = False  # check the fast engine on every document, not one in VERIFY_EVERY
+    max_document_chars: int | None = MAX_DOCUMENT_CHARS  # a longer text is invalid; None: any
 
 
 def output_prefixes(
@@ -137,6 +139,7 @@ class _WorkerSpec:
     keys_option: str = KEYS_OPTION
     fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
+    max_chars: int | None = MAX_DOCUMENT_CHARS
 
 
 class EngineMismatch(PreprocessError):
@@ -209,14 +212,18 @@ def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
 
 def _work(chunk: Chunk, first: bool = False) -> _Result:
     spec: _WorkerSpec = _worker["spec"]
-    option = spec.keys_option
-    parsed = read_chunk(chunk, spec.keys, spec.stop_at_invalid, keys_option=option)
+    option, longest = spec.keys_option, spec.max_chars
+    parsed = read_chunk(
+        chunk, spec.keys, spec.stop_at_invalid, keys_option=option, max_chars=longest
+    )
     result = _Result(
         chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
     )
     if spec.stop_at_invalid and parsed.invalid:
         # The run stops here: read again to report the first problem, a lone surrogate too.
-        again = read_chunk(chunk, spec.keys, True, check_unicode=True, keys_option=option)
+        again = read_chunk(
+            chunk, spec.keys, True, check_unicode=True, keys_option=option, max_chars=longest
+        )
         result.invalid = again.invalid
         return result
     dtype = np.dtype(spec.dtype)
@@ -230,7 +237,12 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
         checked = True
         parsed = read_chunk(
-            chunk, spec.keys, spec.stop_at_invalid, check_unicode=True, keys_option=option
+            chunk,
+            spec.keys,
+            spec.stop_at_invalid,
+            check_unicode=True,
+            keys_option=option,
+            max_chars=longest,
         )
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
@@ -241,7 +253,13 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
         result.verified = len(chosen)
     if mismatch is not None:
         again = read_chunk(
-            chunk, spec.keys, spec.stop_at_invalid, checked, with_offsets=True, keys_option=option
+            chunk,
+            spec.keys,
+            spec.stop_at_invalid,
+            checked,
+            with_offsets=True,
+            keys_option=option,
+            max_chars=longest,
         )
         result.mismatch = (again.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
@@ -358,6 +376,7 @@ def _config_hash(tokenizer_hash: str, spec: _WorkerSpec, options: PreprocessOpti
         "skip_invalid": not spec.stop_at_invalid,
         "input_format": options.input_format,
         "split": options.split,
+        "max_chars": spec.max_chars,
     }
     return xxhash.xxh3_128_hexdigest(json.dumps(described, sort_keys=True).encode())
 
@@ -503,6 +522,7 @@ def preprocess(
         keys_option=options.keys_option,
         fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
+        max_chars=options.max_document_chars,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
     tokenizer_hash = files.content_hash()  # read once: the config key and the summary

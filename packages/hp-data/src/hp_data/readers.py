@@ -5,7 +5,8 @@ The main process turns inputs into *shards* (one per file or HF dataset) and eac
 where it is: `file:line` for JSON lines, `file: row N` for Parquet and HF datasets.
 
 Order: inputs in the order given; a directory or glob stands for its matching files sorted by
-name; inside a file, lines (or rows) in file order.
+name; inside a file, lines (or rows) in file order. An input named again (another spelling, a
+link, a glob or directory that holds it) is read once, where it first occurs, with a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ import orjson
 
 from hp_data.errors import PreprocessError, first_line
 from hp_data.redact import redact
-from hp_data.remote import expand, identify, is_url, open_corpus, open_url, size_of
+from hp_data.remote import canonical_url, expand, identify, is_url, open_corpus, open_url, size_of
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -47,6 +49,11 @@ ROWS_PER_CHUNK = 4096
 # configures them otherwise (hp-train's data.text_key) passes its own name.
 KEYS_OPTION = "--json-keys"
 STDIN = "-"
+# The longest text read by default. tokenizers holds several structures per byte and per
+# token while it encodes one text (a 11M-character line of CJK text peaked at 4.7 GB), so one
+# enormous record could take a worker's memory; longer ones are invalid records, `file:line`.
+MAX_DOCUMENT_CHARS = 10_000_000
+LENGTH_OPTION = "--max-document-chars"
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,47 @@ def _tree_size(path: str) -> tuple[int, int]:
     return size, mtime
 
 
+def _same_input(path: str) -> tuple[object, ...]:
+    """What two names of one input share: standard input; a URL as fsspec normalises it
+    (redacted, so a rotated credential names the same object); a local file or directory by
+    device and inode, so `./a`, a symbolic link and a hard link are `a`."""
+    if path == STDIN:
+        return (STDIN,)
+    if is_url(path):
+        return ("url", redact(canonical_url(path)))
+    stat = os.stat(path)
+    return ("local", stat.st_dev, stat.st_ino)
+
+
+def _read_once(named: Sequence[tuple[str, list[str]]]) -> list[str]:
+    """The paths that the `named` inputs (each with the paths it stands for) stand for, each
+    input once, where it first occurs: a corpus read twice would train on its documents twice.
+    One warning for each name that stood for an input already read."""
+    first: dict[tuple[object, ...], tuple[str, str]] = {}  # input: (its path, its name)
+    for spec, paths in named:
+        again = []
+        for path in paths:
+            key = _same_input(path)
+            if key in first:
+                again.append((path, *first[key]))
+            else:
+                first[key] = (path, spec)
+        if not again:
+            continue
+        if paths == [spec]:  # named outright, not a glob or directory
+            _, earlier, its_name = again[0]
+            if earlier == spec:
+                what = "named more than once" if its_name == spec else f"already in {its_name}"
+            else:
+                what = f"the same input as {earlier}"
+        else:
+            shown = ", ".join(path for path, _, _ in again[:3]) + (", ..." if again[3:] else "")
+            inputs = "input" if len(again) == 1 else "inputs"
+            what = f"holds {len(again)} {inputs} named before ({shown})"
+        warnings.warn(f"{spec}: {what}; read once, where first named", stacklevel=3)
+    return [path for path, _ in first.values()]
+
+
 def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shard]:
     """The shards for paths, globs and directories, in the documented order.
 
@@ -145,8 +193,10 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
     """
     if input_format is not None and input_format not in FORMATS:
         raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
-    paths: list[str] = []
+    named: list[tuple[str, list[str]]] = []  # each input named, with the paths it stands for
     for spec in specs:
+        paths: list[str] = []
+        named.append((spec, paths))
         if is_url(spec):
             found = expand(spec, _corpus_format)
             paths.extend(url for url in found if url == spec or not url.endswith(HP_METADATA))
@@ -176,11 +226,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
             else:
                 paths.append(match)
     shards: list[Shard] = []
-    seen: set[str] = set()
-    for path in paths:
-        if path in seen:
-            continue
-        seen.add(path)
+    for path in _read_once(named):
         if path == STDIN:
             fmt = input_format or "jsonl"
             if fmt not in ("jsonl", "jsonl.gz"):
@@ -188,7 +234,6 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
                     "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
                 )
-            # Never the same input twice: a stream cannot be resumed or identified.
             shards.append(Shard(path, fmt, 0, time.time_ns()))
             continue
         if is_url(path):
@@ -376,13 +421,13 @@ def _stream_blocks(
     counted = _Counted(raw)
     reader = counted if shard.format == "jsonl" else _open_compressed(counted, shard.format)
     name = "standard input" if shard.path == STDIN else shard.path
+    kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
     carry = b""
     consumed = 0
     while True:
         try:
             block = reader.read(chunk_bytes)
         except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
-            kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
             raise PreprocessError(f"{name}: corrupt {kind} data: {exc}") from None
         if not block:
             break
@@ -396,6 +441,11 @@ def _stream_blocks(
             index, shard.path, shard.format, blob=data[:cut], input_bytes=counted.count - consumed
         )
         consumed = counted.count
+    if counted.count == 0 and shard.format != "jsonl":
+        # Both readers take no bytes as no lines; an empty stream has a header (20 bytes of
+        # gzip, 9 of zstd), so this is a file cut to nothing, not a compressed empty corpus.
+        empty = "empty" if shard.path == STDIN else "empty file"
+        raise PreprocessError(f"{name}: {empty}, not a {kind} stream")
     if carry or consumed < max(size, counted.count):
         rest = max(size, counted.count) - consumed
         yield Chunk(index, shard.path, shard.format, blob=carry, input_bytes=rest)
@@ -518,16 +568,18 @@ def read_chunk(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     """The valid texts of `chunk`; invalid records are listed (and end the chunk when
-    `stop_at_invalid`), a missing key's reason naming the keys' setting as `keys_option`.
+    `stop_at_invalid`), a missing key's reason naming the keys' setting as `keys_option`;
+    a text longer than `max_chars` characters is invalid (None: any length).
 
     JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer can encode. Checking
     every text costs time on every chunk, so the worker asks for `check_unicode` only when the
     tokenizer refused one, and reads the chunk again."""
     if chunk.rows is not None:
         return _parse_rows(
-            chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets, keys_option
+            chunk.rows, keys, stop_at_invalid, check_unicode, with_offsets, keys_option, max_chars
         )
     if chunk.blob is not None:
         data = chunk.blob
@@ -535,7 +587,9 @@ def read_chunk(
         with open_corpus(chunk.path, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
-    return _parse_lines(data, keys, stop_at_invalid, check_unicode, with_offsets, keys_option)
+    return _parse_lines(
+        data, keys, stop_at_invalid, check_unicode, with_offsets, keys_option, max_chars
+    )
 
 
 def _json_problem(exc: Exception) -> tuple[str, str]:
@@ -576,6 +630,7 @@ def _parse_lines(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
@@ -583,6 +638,7 @@ def _parse_lines(
     parsed = Parsed([[] for _ in keys], lines=len(lines))
     offsets = parsed.offsets = [] if with_offsets else None
     single = keys[0] if len(keys) == 1 else None
+    longest = sys.maxsize if max_chars is None else max_chars
     for offset, raw in enumerate(lines):
         if not raw.strip():
             continue
@@ -597,12 +653,13 @@ def _parse_lines(
                 and single is not None
                 and type(record) is dict
                 and type(record.get(single)) is str
+                and len(record[single]) <= longest
             ):
                 parsed.texts[0].append(record[single])  # the common case, checked cheaply
                 if offsets is not None:
                     offsets.append(offset)
                 continue
-            problem = _record_problem(record, keys, check_unicode, keys_option)
+            problem = _record_problem(record, keys, check_unicode, keys_option, longest)
             if problem is None:
                 for column, key in zip(parsed.texts, keys, strict=True):
                     column.append(record[key])
@@ -616,7 +673,11 @@ def _parse_lines(
 
 
 def _record_problem(
-    record: Any, keys: Sequence[str], check_unicode: bool = False, keys_option: str = KEYS_OPTION
+    record: Any,
+    keys: Sequence[str],
+    check_unicode: bool = False,
+    keys_option: str = KEYS_OPTION,
+    longest: int = sys.maxsize,
 ) -> tuple[str, str] | None:
     if not isinstance(record, dict):
         return ("not an object", f"expected a JSON object, got {type(record).__name__}")
@@ -625,6 +686,13 @@ def _record_problem(
             return ("missing key", f"missing key {key!r} (choose keys with {keys_option})")
         if not isinstance(record[key], str):
             return ("not a string", f"{key!r} must be a string, got {type(record[key]).__name__}")
+        if len(record[key]) > longest:
+            return (
+                "too long",
+                f"{key!r} is {len(record[key]):,} characters long, more than {LENGTH_OPTION} "
+                f"{longest:,} (tokenizing a text takes hundreds of bytes of memory a character); "
+                "raise the limit, or skip such records with --skip-invalid",
+            )
         if check_unicode and (at := _surrogate_at(record[key])) is not None:
             return ("lone surrogate", f"{key!r} holds a lone surrogate at character {at}")
     return None
@@ -637,16 +705,18 @@ def _parse_rows(
     check_unicode: bool = False,
     with_offsets: bool = False,
     keys_option: str = KEYS_OPTION,
+    max_chars: int | None = None,
 ) -> Parsed:
     count = len(rows[keys[0]]) if keys else 0
     parsed = Parsed([[] for _ in keys], records=count, lines=count)
     offsets = parsed.offsets = [] if with_offsets else None
     columns = [rows[key] for key in keys]
+    longest = sys.maxsize if max_chars is None else max_chars
     for offset, values in enumerate(zip(*columns, strict=True)):
         problem = None
-        if check_unicode or not all(type(value) is str for value in values):
+        if check_unicode or not all(type(v) is str and len(v) <= longest for v in values):
             record = dict(zip(keys, values, strict=True))
-            problem = _record_problem(record, keys, check_unicode, keys_option)
+            problem = _record_problem(record, keys, check_unicode, keys_option, longest)
         if problem is None:
             for column, value in zip(parsed.texts, values, strict=True):
                 column.append(value)

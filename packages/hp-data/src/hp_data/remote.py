@@ -55,6 +55,12 @@ def _url(fs: Any, path: str) -> str:
     return fs.unstrip_protocol(path)
 
 
+def canonical_url(url: str) -> str:
+    """`url` as fsspec spells the object: as a glob or directory lists it (`memory://a/x` is
+    `memory:///a/x`), so that a file named and matched again is seen to be one."""
+    return _url(*_split(url))
+
+
 def expand(spec: str, suffix_format: Any) -> list[str]:
     """The URLs `spec` stands for: a glob's matches sorted, a directory's corpus files (those
     `suffix_format` knows) sorted by name, or the object itself."""

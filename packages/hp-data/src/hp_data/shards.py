@@ -222,15 +222,48 @@ def _files_ok(manifest: dict[str, Any]) -> bool:
     )
 
 
+def _manifest_paths(base: str) -> list[str]:
+    """The shard manifests of the run writing `base` (not the shards' `.hp.json`, which the
+    same glob matches)."""
+    found = glob.glob(glob.escape(base) + ".shard-*-of-*.json")
+    return sorted(path for path in found if _NAME.fullmatch(path[len(base) :]))
+
+
+def _run_of_output(base: str) -> str | None:
+    """The prefix of the run (its --out or --output-prefix) that wrote shards of the
+    dataset `base`, a key's `PREFIX_{key}_document`, when it is not `base` itself."""
+    pattern = glob.escape(os.path.join(os.path.dirname(base), "")) + "*.shard-*-of-*.json"
+    wanted = os.path.basename(base) + ".shard-"
+    for path in sorted(glob.glob(pattern)):
+        if not _NAME.search(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as stream:
+                outputs = json.load(stream).get("outputs")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(outputs, dict) and any(
+            isinstance(name, str) and name.startswith(wanted) for name in outputs.values()
+        ):
+            return path[: _NAME.search(path).start()]
+    return None
+
+
 def _manifests(base: str) -> list[dict[str, Any]]:
     """Every shard manifest of `base`, checked to form one complete run, in order."""
-    found = sorted(glob.glob(glob.escape(base) + ".shard-*-of-*.json"))
+    found = _manifest_paths(base)
     if not found:
+        run = _run_of_output(base)
+        if run is not None:
+            raise PreprocessError(
+                f"{base}: a dataset of the sharded run {run}; merge with hp-data merge {run} "
+                "--shards (it writes each key's dataset, this one too)"
+            )
         raise PreprocessError(
             f"{base}: no finished shards ({os.path.basename(base)}.shard-*-of-*.json); "
             "a shard writes its manifest when it is done"
         )
-    counts = {int(_NAME.search(path).group(2)) for path in found if _NAME.search(path)}
+    counts = {int(_NAME.search(path).group(2)) for path in found}
     if len(counts) != 1:
         raise PreprocessError(f"{base}: shards of runs split {sorted(counts)} ways; keep one")
     count = counts.pop()
@@ -247,21 +280,30 @@ def _manifests(base: str) -> list[dict[str, Any]]:
             ) from None
         except ValueError as exc:
             raise PreprocessError(f"{path}: unreadable shard manifest: {exc}") from None
+        version = manifest.get("version") if isinstance(manifest, dict) else None
+        if version is not None and version != MANIFEST_VERSION:
+            why = "not a version hp-data writes"
+            if type(version) is int:
+                older = "older ones record no checksums of the shard's files"
+                why = older if version < MANIFEST_VERSION else "from a newer hp-data"
+            raise PreprocessError(
+                f"{path}: a shard manifest of version {version!r}, not {MANIFEST_VERSION} "
+                f"({why}); " + _rerun(index, count)
+            )
         if not isinstance(manifest, dict) or not manifest.keys() >= _FIELDS:
             raise PreprocessError(
                 f"{path}: not a shard manifest of hp-data (needs {', '.join(sorted(_FIELDS))}); "
-                + _rerun(index, count)
-            )
-        if manifest["version"] != MANIFEST_VERSION:
-            raise PreprocessError(
-                f"{path}: a shard manifest of version {manifest['version']}, not "
-                f"{MANIFEST_VERSION} (older ones record no checksums of the shard's files); "
                 + _rerun(index, count)
             )
         if not _files_ok(manifest):
             raise PreprocessError(
                 f"{path}: its 'files' does not give the size and xxh3_128 of each of the "
                 "shard's files; " + _rerun(index, count)
+            )
+        units = manifest["units"]
+        if not (isinstance(units, list) and len(units) == 2 and all(type(u) is int for u in units)):
+            raise PreprocessError(
+                f"{path}: its 'units' is not [start, stop]; " + _rerun(index, count)
             )
         manifest["path"] = path
         manifests.append(manifest)
@@ -276,9 +318,11 @@ def _manifests(base: str) -> list[dict[str, Any]]:
                 )
         start, stop = manifest["units"]
         if start != covered:
+            where = "leaves out" if start > covered else "repeats"
             raise PreprocessError(
                 f"{manifest['path']}: covers units {start} to {stop}, but the shards before it "
-                f"end at {covered}; rerun it with the same command line"
+                f"end at unit {covered}, so the merge {where} units {min(start, covered)} to "
+                f"{max(start, covered)}; rerun it with the same command line"
             )
         covered = stop
     if covered != first["total_units"]:

@@ -73,15 +73,16 @@ def summarize(dataset: IndexedDataset) -> dict[str, Any]:
 
 
 def show_documents(
-    dataset: IndexedDataset, count: int, tokenizer: str | None = None
+    dataset: IndexedDataset, count: int, tokenizer: str | None = None, allow_download: bool = False
 ) -> list[dict[str, Any]]:
     """The first `count` documents decoded with `tokenizer` (a path or hub name), or else
-    with the tokenizer the dataset's metadata records, checked to be the same bytes."""
+    with the tokenizer the dataset's metadata records, checked to be the same bytes; a hub
+    tokenizer missing from the local cache is fetched only with `allow_download`."""
     from hp_data.tokenize import TokenizerFiles, decode_ids  # tokenizers only when showing
 
     prefix = dataset.path_prefix
     if tokenizer is not None:
-        files = TokenizerFiles.locate(tokenizer)
+        files = TokenizerFiles.locate(tokenizer, allow_download)
     else:
         record = (read_metadata(prefix) or {}).get("tokenizer")
         if record is None:
@@ -89,7 +90,7 @@ def show_documents(
                 f"{prefix}: no tokenizer recorded beside it (hp-data preprocess writes "
                 f"{os.path.basename(metadata_path(prefix))}); pass --tokenizer"
             )
-        files = TokenizerFiles.recorded(record, metadata_path(prefix))
+        files = TokenizerFiles.recorded(record, metadata_path(prefix), allow_download)
     decoder = files.load()
     return [
         {"document": d, "text": decode_ids(decoder, dataset.get_document(d))}

@@ -128,17 +128,19 @@ class TokenizerFiles:
         return record
 
     @classmethod
-    def recorded(cls, record: Mapping[str, Any], where: str) -> TokenizerFiles:
+    def recorded(
+        cls, record: Mapping[str, Any], where: str, allow_download: bool = False
+    ) -> TokenizerFiles:
         """The tokenizer that `record` (`describe()`'s, read from `where`) names: its files
-        where they were, else what was named again (a hub name through the local HF cache),
-        and only while its bytes are the ones recorded."""
+        where they were, else what was named again (a hub name through the local HF cache, or
+        fetched if `allow_download`), and only while its bytes are the ones recorded."""
         attempts: list[Callable[[], TokenizerFiles]] = []
         if isinstance(record.get("vocab_file"), str) and isinstance(record.get("merge_file"), str):
             attempts.append(lambda: cls.from_gpt2_files(record["vocab_file"], record["merge_file"]))
         else:
             for name in dict.fromkeys((record.get("path"), record.get("source"))):
                 if isinstance(name, str):
-                    attempts.append(lambda name=name: cls.locate(name))
+                    attempts.append(lambda name=name: cls.locate(name, allow_download))
         tried = []
         for attempt in attempts:
             try:
