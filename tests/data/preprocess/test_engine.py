@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hp_data import IndexedDataset, PreprocessError
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
 from hp_data.tokenize import TokenizerFiles, choose_engine
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from tests.helpers.bpe import corpus_texts, train_gpt2_style, train_llama3_style
+from tests.helpers.bpe import LLAMA3_PATTERN, corpus_texts, train_gpt2_style, train_llama3_style
 from tests.helpers.corpus_files import write_jsonl
 from tests.helpers.run import cli, read_bytes, run_preprocess
 
@@ -25,8 +26,10 @@ def _reference(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.n
 
 
 def _assert_same_ids(tokenizer_path, texts: list[str]) -> None:
+    """The proof passes (the speed stays) and the ids are tokenizers'."""
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    engine = FastBPE.from_tokenizer_json(tokenizer_path).engine()
+    described = json.loads(Path(tokenizer_path).read_text())
+    engine = FastBPE.from_description(described, proven=True).engine()
     added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
     for batch in (probe_texts(added), texts):
         mismatch = compare(batch, _reference(tokenizer, batch), engine.encode(batch))
@@ -76,7 +79,7 @@ def test_the_probe_set_catches_a_broken_conversion(example_tokenizer):
 def _with_a_trap(example_tokenizer, out) -> str:
     """The shipped tokenizer plus merges X+J, Q+X, QX+J: `tokenizers` turns "QXJ" into
     Q, XJ (no merge joins Q and XJ), tiktoken into the whole token QXJ. Letters the probe
-    set never puts together, so only a document can show the difference."""
+    set never puts together: only the proof, or a document, can show the difference."""
     described = json.loads(example_tokenizer.read_text())
     vocab, merges = described["model"]["vocab"], described["model"]["merges"]
     for left, right in (("X", "J"), ("Q", "X"), ("QX", "J")):
@@ -89,32 +92,76 @@ def _with_a_trap(example_tokenizer, out) -> str:
     return str(out)
 
 
-def _corpus(tmp_path, trap_line: int, lines: int = 300):
+def _with_a_gap(example_tokenizer, out) -> str:
+    """The shipped tokenizer's merges behind a Split regex that matches no lone "☃": tokenizers
+    keeps unmatched text as a piece, tiktoken drops it. What the proof cannot see (the split
+    regex) and the probe set never holds: only the documents of the run show it."""
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    pattern = LLAMA3_PATTERN.replace(r" ?[^\s\p{L}\p{N}]+", r" ?[^\s\p{L}\p{N}☃]+")
+    assert pattern != LLAMA3_PATTERN
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.save(str(out))
+    return str(out)
+
+
+def _corpus(tmp_path, trap_line: int, trap: str, lines: int = 300):
     records = [{"text": f"document {i} of the run, with some words."} for i in range(lines)]
-    records[trap_line - 1] = {"text": "QXJ is where the engines part"}
+    records[trap_line - 1] = {"text": f"{trap} is where the engines part"}
     return write_jsonl(tmp_path / "c.jsonl", records)
 
 
-def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, example_tokenizer):
+def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_tokenizer):
+    """The issue's case: the trap is in document 250, past the first 200 that are checked,
+    and off the 1-in-1,000 sample; the proof finds it before the first document."""
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
-    corpus = _corpus(tmp_path, trap_line=7)
-    assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
-    with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
+    corpus = _corpus(tmp_path, trap_line=250, trap="QXJ")
+    why = r"its merges make 'Q' \+ 'XJ' of the bytes of its token 'QXJ'"
+    with pytest.warns(UserWarning, match=rf"trap\.json: tiktoken is not exact for it: {why}"):
         summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
     assert summary.engine == "hf"
     run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
     assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
-    assert IndexedDataset(tmp_path / "auto").get_document(6).tolist() == (
+    assert IndexedDataset(tmp_path / "auto").get_document(249).tolist() == (
         Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
+    )
+    forced = cli(
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
+        "--tokenizer-engine", "tiktoken", "--quiet", "--workers", "1",
+    )  # fmt: skip
+    assert forced.returncode == 1
+    assert forced.stderr.count("\n") == 1 and "Traceback" not in forced.stderr
+    assert "--tokenizer-engine tiktoken cannot reproduce this tokenizer: its merges" in (
+        forced.stderr
+    )
+    assert "use --tokenizer-engine auto or hf" in forced.stderr
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, example_tokenizer):
+    gap = _with_a_gap(example_tokenizer, tmp_path / "gap.json")
+    corpus = _corpus(tmp_path, trap_line=7, trap="a ☃ b")
+    assert choose_engine(TokenizerFiles.locate(gap), Tokenizer.from_file(gap))[0] is not None
+    with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
+        summary = run_preprocess([corpus], tmp_path / "auto", gap, workers=2, chunk_bytes=2048)
+    assert summary.engine == "hf"
+    run_preprocess([corpus], tmp_path / "hf", gap, tokenizer_engine="hf")
+    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
+    assert IndexedDataset(tmp_path / "auto").get_document(6).tolist() == (
+        Tokenizer.from_file(gap).encode("a ☃ b is where the engines part").ids
     )
     assert not list(tmp_path.glob(".*"))  # no work directory left behind
 
 
 def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer):
-    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
-    corpus = _corpus(tmp_path, trap_line=250)
+    gap = _with_a_gap(example_tokenizer, tmp_path / "gap.json")
+    corpus = _corpus(tmp_path, trap_line=250, trap="a ☃ b")
     result = cli(
-        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", gap,
         "--tokenizer-engine", "tiktoken", "--verify", "--quiet", "--workers", "1",
     )  # fmt: skip
     assert result.returncode == 1

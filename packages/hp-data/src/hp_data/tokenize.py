@@ -17,7 +17,7 @@ import xxhash
 from tokenizers import Tokenizer
 
 from hp_data.errors import PreprocessError, first_line
-from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
+from hp_data.fast_bpe import FastBPE, NotConvertible, NotProven, compare, probe_texts
 
 # Tried in order when neither --eod-token nor tokenizer_config.json names the token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -341,17 +341,18 @@ class Engine(Protocol):
 def choose_engine(
     files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
 ) -> tuple[FastBPE | None, int]:
-    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts proved it.
+    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts it passed.
 
-    `auto` takes `tiktoken` only for a tokenizer it converts exactly and that gives the same
-    ids on the probe set; `tiktoken` makes either failure an error; `hf` skips both."""
+    `auto` takes `tiktoken` only for a tokenizer it converts, proves exact (`fast_bpe.prove`)
+    and that gives the same ids on the probe set; `tiktoken` makes any failure an error; `hf`
+    skips all three."""
     if requested not in ENGINES:
         raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
     if requested == "hf":
         return None, 0
     source = files.tokenizer_json
     try:
-        recipe = fast_recipe(files)
+        recipe = fast_recipe(files, proven=True)
         engine = recipe.engine()
     except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
         # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
@@ -360,6 +361,9 @@ def choose_engine(
                 f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "
                 f"{exc}; use --tokenizer-engine auto or hf"
             ) from None
+        if isinstance(exc, NotProven):  # byte-level BPE that looked fast: say why it is not
+            message = f"{source}: tiktoken is not exact for it: {exc}; using tokenizers"
+            warnings.warn(message, stacklevel=2)
         return None, 0
     added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
     probes = probe_texts(added)
@@ -376,11 +380,12 @@ def choose_engine(
     return recipe, len(probes)
 
 
-def fast_recipe(files: TokenizerFiles) -> FastBPE:
-    """The tiktoken engine's recipe for this tokenizer (raises NotConvertible)."""
+def fast_recipe(files: TokenizerFiles, proven: bool = False) -> FastBPE:
+    """The tiktoken engine's recipe for this tokenizer (raises NotConvertible); `proven`:
+    only if `fast_bpe.prove` shows it exact (once per run, not in every worker)."""
     if files.sentencepiece:
         raise NotConvertible("it is a SentencePiece model")
-    return FastBPE.from_description(orjson.loads(files.read()))
+    return FastBPE.from_description(orjson.loads(files.read()), proven)
 
 
 class SentencePieceModel:
