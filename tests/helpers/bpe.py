@@ -8,13 +8,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from hp_data.fast_bpe import LLAMA3_PATTERN
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-# Llama 3's split regex, as its tokenizer.json gives it.
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 def with_merges(merges: Sequence[tuple[str, str]], llama3: bool = False) -> Tokenizer:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from hp_data import IndexedDataset, PreprocessError
+from hp_data.cli import main
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
 from hp_data.tokenize import TokenizerFiles, choose_engine
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
@@ -92,26 +94,9 @@ def _with_a_trap(example_tokenizer, out) -> str:
     return str(out)
 
 
-def _with_a_gap(example_tokenizer, out) -> str:
-    """The shipped tokenizer's merges behind a Split regex that matches no lone "☃": tokenizers
-    keeps unmatched text as a piece, tiktoken drops it. What the proof cannot see (the split
-    regex) and the probe set never holds: only the documents of the run show it."""
-    tokenizer = Tokenizer.from_file(str(example_tokenizer))
-    pattern = LLAMA3_PATTERN.replace(r" ?[^\s\p{L}\p{N}]+", r" ?[^\s\p{L}\p{N}☃]+")
-    assert pattern != LLAMA3_PATTERN
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.save(str(out))
-    return str(out)
-
-
-def _corpus(tmp_path, trap_line: int, trap: str, lines: int = 300):
+def _corpus(tmp_path, trap_line: int, lines: int = 300):
     records = [{"text": f"document {i} of the run, with some words."} for i in range(lines)]
-    records[trap_line - 1] = {"text": f"{trap} is where the engines part"}
+    records[trap_line - 1] = {"text": "QXJ is where the engines part"}
     return write_jsonl(tmp_path / "c.jsonl", records)
 
 
@@ -119,7 +104,7 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
     """The issue's case: the trap is in document 250, past the first 200 that are checked,
     and off the 1-in-1,000 sample; the proof finds it before the first document."""
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
-    corpus = _corpus(tmp_path, trap_line=250, trap="QXJ")
+    corpus = _corpus(tmp_path, trap_line=250)
     why = r"its merges make 'Q' \+ 'XJ' of the bytes of its token 'QXJ'"
     with pytest.warns(UserWarning, match=rf"trap\.json: tiktoken is not exact for it: {why}"):
         summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
@@ -142,33 +127,61 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
     assert not list(tmp_path.glob("out*"))
 
 
-def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, example_tokenizer):
-    gap = _with_a_gap(example_tokenizer, tmp_path / "gap.json")
-    corpus = _corpus(tmp_path, trap_line=7, trap="a ☃ b")
-    assert choose_engine(TokenizerFiles.locate(gap), Tokenizer.from_file(gap))[0] is not None
+@pytest.fixture
+def unproven(monkeypatch):
+    """The proof switched off, so that what stands behind it (the probe set and the documents
+    checked during the run) is what a trap meets."""
+    monkeypatch.setattr("hp_data.fast_bpe.prove", lambda *args: None)
+
+
+def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
+    tmp_path, example_tokenizer, unproven
+):
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=7)
+    assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
     with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
-        summary = run_preprocess([corpus], tmp_path / "auto", gap, workers=2, chunk_bytes=2048)
+        summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
     assert summary.engine == "hf"
-    run_preprocess([corpus], tmp_path / "hf", gap, tokenizer_engine="hf")
+    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
     assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
     assert IndexedDataset(tmp_path / "auto").get_document(6).tolist() == (
-        Tokenizer.from_file(gap).encode("a ☃ b is where the engines part").ids
+        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
     )
     assert not list(tmp_path.glob(".*"))  # no work directory left behind
 
 
-def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer):
-    gap = _with_a_gap(example_tokenizer, tmp_path / "gap.json")
-    corpus = _corpus(tmp_path, trap_line=250, trap="a ☃ b")
-    result = cli(
-        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", gap,
+def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer, unproven):
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=250)
+    result = CliRunner().invoke(main, [
+        "preprocess", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", trap,
         "--tokenizer-engine", "tiktoken", "--verify", "--quiet", "--workers", "1",
-    )  # fmt: skip
-    assert result.returncode == 1
-    assert "c.jsonl:250: the tiktoken engine gave other ids than tokenizers" in result.stderr
-    assert "--tokenizer-engine hf" in result.stderr
-    assert "Traceback" not in result.stderr
+    ])  # fmt: skip
+    assert result.exit_code == 1
+    assert "c.jsonl:250: the tiktoken engine gave other ids than tokenizers" in result.output
+    assert "--tokenizer-engine hf" in result.output
+    assert "Traceback" not in result.output
     assert not (tmp_path / "out.bin").exists()
+
+
+def test_text_the_split_regex_leaves_unmatched_is_kept(tmp_path, example_tokenizer, texts):
+    """tokenizers keeps the text between a Split regex's matches as a piece, where tiktoken
+    would drop it: here a lone "☃", which no alternative takes (and the probe set lacks)."""
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    pattern = LLAMA3_PATTERN.replace(r" ?[^\s\p{L}\p{N}]+", r" ?[^\s\p{L}\p{N}☃]+")
+    assert pattern != LLAMA3_PATTERN
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.save(str(tmp_path / "gap.json"))
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str("x☃☃ y")]
+    assert pieces == ["x", "âĺĥâĺĥ", "Ġy"]  # the gap "☃☃" is one piece (in byte-level form)
+    gaps = ["a ☃ b", "x☃", "☃☃ ☃x ☃", "1☃2\n☃\n", " ☃", "☃"]
+    _assert_same_ids(tmp_path / "gap.json", gaps + [t.replace(" ", " ☃ ") for t in texts[:200]])
 
 
 def test_documents_are_sampled_through_the_run(tmp_path, example_tokenizer):
