@@ -239,6 +239,35 @@ def test_refused_shapes(example_tokenizer):
         ({"added_tokens": [{"id": 0, "content": "<|endoftext|>", "lstrip": True}]}, "strips"),
         ({"model": {**described["model"], "byte_fallback": True}}, "byte_fallback"),
         ({"model": {**described["model"], "dropout": 0.1}}, "dropout"),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Split", "pattern": {"Regex": r"(a)\1|."}, "behavior": "Isolated"},
+                        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+                    ],
+                }
+            },
+            "backreference",
+        ),
     ]:
         with pytest.raises(NotConvertible, match=why):
             FastBPE.from_description({**described, **change})
+
+
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_bpe_dropout_is_refused(tmp_path, example_tokenizer, engine):
+    """Dropout makes tokenizers' own ids random: two runs would write different files."""
+    described = json.loads(example_tokenizer.read_text())
+    described["model"]["dropout"] = 0.1
+    (tmp_path / "dropout.json").write_text(json.dumps(described))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "some words to drop out of"}] * 20)
+    result = cli(
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", tmp_path / "dropout.json",
+        "--tokenizer-engine", engine, "--quiet", "--workers", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "dropout.json: model.dropout is 0.1: BPE dropout" in result.stderr
+    assert not list(tmp_path.glob("out*"))

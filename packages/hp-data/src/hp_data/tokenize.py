@@ -345,9 +345,15 @@ def choose_engine(
 
     `auto` takes `tiktoken` only for a tokenizer it converts, proves exact (`fast_bpe.prove`)
     and that gives the same ids on the probe set; `tiktoken` makes any failure an error; `hf`
-    skips all three."""
+    skips all three. Any engine refuses a tokenizer whose own ids are random (BPE dropout)."""
     if requested not in ENGINES:
         raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
+    dropout = getattr(getattr(tokenizer, "model", None), "dropout", None)
+    if dropout:
+        raise PreprocessError(
+            f"{files.tokenizer_json}: model.dropout is {dropout:g}: BPE dropout gives other ids on "
+            "every run; set it to null in the tokenizer file to preprocess with it"
+        )
     if requested == "hf":
         return None, 0
     source = files.tokenizer_json
