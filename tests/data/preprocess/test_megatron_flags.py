@@ -95,6 +95,11 @@ def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokeni
     [
         (["--split-sentences"], 2, "does not split sentences"),
         (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file vocab.json and --merge-file"),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--vocab-file", "v", "--merge-file", "m"],
+            1,
+            "HuggingFaceTokenizer reads --tokenizer-model (a hub name or a directory), not --vocab",
+        ),
         (["--tokenizer-type", "SentencePieceTokenizer"], 2, "'SentencePieceTokenizer' is not"),
         (["--output-prefix", "x", "--out", "y"], 2, "--out or as --output-prefix"),
     ],

@@ -264,6 +264,11 @@ def resolve_tokenizer(
     if tokenizer_type is not None and tokenizer_type not in MEGATRON_TOKENIZER_TYPES:
         known = ", ".join(f"{k} ({v})" for k, v in MEGATRON_TOKENIZER_TYPES.items())
         raise PreprocessError(f"--tokenizer-type {tokenizer_type}: hp-data reads {known}")
+    if tokenizer_type not in (None, "GPT2BPETokenizer") and (vocab_file or merge_file):
+        raise PreprocessError(
+            f"--tokenizer-type {tokenizer_type} reads {MEGATRON_TOKENIZER_TYPES[tokenizer_type]}"
+            ", not --vocab-file/--merge-file (GPT2BPETokenizer's)"
+        )
     gpt2 = tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file
     if gpt2:
         if not (vocab_file and merge_file) or tokenizer:
