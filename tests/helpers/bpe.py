@@ -1,18 +1,41 @@
-"""Byte-level BPE tokenizers trained by `tokenizers` itself, shaped as GPT-2's and Llama 3's."""
+"""Byte-level BPE tokenizers shaped as GPT-2's and Llama 3's: trained by `tokenizers` itself,
+or built by `tokenizers` from merges given by hand (adversarial ones)."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
+from hp_data.fast_bpe import LLAMA3_PATTERN
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-# Llama 3's split regex, as its tokenizer.json gives it.
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+
+def with_merges(merges: Sequence[tuple[str, str]], llama3: bool = False) -> Tokenizer:
+    """Every byte, then exactly `merges` in rank order (tokens written as byte-level
+    characters, "Ġ" for a space), laid out as GPT-2's (ByteLevel with its regex) or, with
+    `llama3`, as Llama 3's (`LLAMA3_PATTERN`, ByteLevel without a regex, ignore_merges on)."""
+    vocab = {
+        char: number for number, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    }
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), ignore_merges=llama3))
+    tokenizer.pre_tokenizer = (
+        _llama3_split() if llama3 else pre_tokenizers.ByteLevel(add_prefix_space=False)
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _llama3_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def corpus_texts(corpus: Path) -> list[str]:
@@ -48,12 +71,7 @@ def train_llama3_style(texts: list[str], out: Path, vocab_size: int = 100_000) -
         for _ in range(500)
     ]
     tokenizer = Tokenizer(models.BPE(ignore_merges=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.pre_tokenizer = _llama3_split()
     tokenizer.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
     specials += [f"<|reserved_special_token_{i}|>" for i in range(254)]

@@ -15,8 +15,12 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @contextmanager
-def hub_server(repo: str, files: dict[str, bytes]) -> Iterator[tuple[str, list[str]]]:
-    """Serve `files` as model `repo` at its `main` revision; yields (endpoint, requested paths)."""
+def hub_server(
+    repo: str, files: dict[str, bytes], as_the_hub: bool = False
+) -> Iterator[tuple[str, list[str]]]:
+    """Serve `files` as model `repo` at its `main` revision; yields (endpoint, requested paths).
+    Another repository is a plain 404, or with `as_the_hub` what huggingface.co answers to an
+    unauthenticated client: 401 with `X-Error-Code: RepoNotFound`."""
     requested: list[str] = []
     tree = [
         {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
@@ -40,7 +44,11 @@ def hub_server(repo: str, files: dict[str, bytes]) -> Iterator[tuple[str, list[s
                 data = files[path.split("/", 5)[-1]]
                 headers["ETag"] = f'"{hashlib.sha256(data).hexdigest()}"'
             else:
-                self.send_response(404)
+                hub_style = as_the_hub and path.startswith("/api/models/")
+                self.send_response(401 if hub_style else 404)
+                if hub_style:
+                    self.send_header("X-Error-Code", "RepoNotFound")
+                    self.send_header("X-Error-Message", "Repository not found")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from hp_data import IndexedDataset, PreprocessError
+from hp_data.cli import main
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
 from hp_data.tokenize import TokenizerFiles, choose_engine
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from tests.helpers.bpe import corpus_texts, train_gpt2_style, train_llama3_style
+from tests.helpers.bpe import LLAMA3_PATTERN, corpus_texts, train_gpt2_style, train_llama3_style
 from tests.helpers.corpus_files import write_jsonl
 from tests.helpers.run import cli, read_bytes, run_preprocess
 
@@ -25,8 +28,10 @@ def _reference(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.n
 
 
 def _assert_same_ids(tokenizer_path, texts: list[str]) -> None:
+    """The proof passes (the speed stays) and the ids are tokenizers'."""
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    engine = FastBPE.from_tokenizer_json(tokenizer_path).engine()
+    described = json.loads(Path(tokenizer_path).read_text())
+    engine = FastBPE.from_description(described, proven=True).engine()
     added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
     for batch in (probe_texts(added), texts):
         mismatch = compare(batch, _reference(tokenizer, batch), engine.encode(batch))
@@ -76,7 +81,7 @@ def test_the_probe_set_catches_a_broken_conversion(example_tokenizer):
 def _with_a_trap(example_tokenizer, out) -> str:
     """The shipped tokenizer plus merges X+J, Q+X, QX+J: `tokenizers` turns "QXJ" into
     Q, XJ (no merge joins Q and XJ), tiktoken into the whole token QXJ. Letters the probe
-    set never puts together, so only a document can show the difference."""
+    set never puts together: only the proof, or a document, can show the difference."""
     described = json.loads(example_tokenizer.read_text())
     vocab, merges = described["model"]["vocab"], described["model"]["merges"]
     for left, right in (("X", "J"), ("Q", "X"), ("QX", "J")):
@@ -95,7 +100,43 @@ def _corpus(tmp_path, trap_line: int, lines: int = 300):
     return write_jsonl(tmp_path / "c.jsonl", records)
 
 
-def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, example_tokenizer):
+def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_tokenizer):
+    """The issue's case: the trap is in document 250, past the first 200 that are checked,
+    and off the 1-in-1,000 sample; the proof finds it before the first document."""
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=250)
+    why = r"its merges make 'Q' \+ 'XJ' of the bytes of its token 'QXJ'"
+    with pytest.warns(UserWarning, match=rf"trap\.json: tiktoken is not exact for it: {why}"):
+        summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
+    assert summary.engine == "hf"
+    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
+    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
+    assert IndexedDataset(tmp_path / "auto").get_document(249).tolist() == (
+        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
+    )
+    forced = cli(
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
+        "--tokenizer-engine", "tiktoken", "--quiet", "--workers", "1",
+    )  # fmt: skip
+    assert forced.returncode == 1
+    assert forced.stderr.count("\n") == 1 and "Traceback" not in forced.stderr
+    assert "--tokenizer-engine tiktoken cannot reproduce this tokenizer: its merges" in (
+        forced.stderr
+    )
+    assert "use --tokenizer-engine auto or hf" in forced.stderr
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.fixture
+def unproven(monkeypatch):
+    """The proof switched off, so that what stands behind it (the probe set and the documents
+    checked during the run) is what a trap meets."""
+    monkeypatch.setattr("hp_data.fast_bpe.prove", lambda *args: None)
+
+
+def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
+    tmp_path, example_tokenizer, unproven
+):
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
     corpus = _corpus(tmp_path, trap_line=7)
     assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
@@ -110,18 +151,37 @@ def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(tmp_path, 
     assert not list(tmp_path.glob(".*"))  # no work directory left behind
 
 
-def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer):
+def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer, unproven):
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
     corpus = _corpus(tmp_path, trap_line=250)
-    result = cli(
-        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
+    result = CliRunner().invoke(main, [
+        "preprocess", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", trap,
         "--tokenizer-engine", "tiktoken", "--verify", "--quiet", "--workers", "1",
-    )  # fmt: skip
-    assert result.returncode == 1
-    assert "c.jsonl:250: the tiktoken engine gave other ids than tokenizers" in result.stderr
-    assert "--tokenizer-engine hf" in result.stderr
-    assert "Traceback" not in result.stderr
+    ])  # fmt: skip
+    assert result.exit_code == 1
+    assert "c.jsonl:250: the tiktoken engine gave other ids than tokenizers" in result.output
+    assert "--tokenizer-engine hf" in result.output
+    assert "Traceback" not in result.output
     assert not (tmp_path / "out.bin").exists()
+
+
+def test_text_the_split_regex_leaves_unmatched_is_kept(tmp_path, example_tokenizer, texts):
+    """tokenizers keeps the text between a Split regex's matches as a piece, where tiktoken
+    would drop it: here a lone "☃", which no alternative takes (and the probe set lacks)."""
+    tokenizer = Tokenizer.from_file(str(example_tokenizer))
+    pattern = LLAMA3_PATTERN.replace(r" ?[^\s\p{L}\p{N}]+", r" ?[^\s\p{L}\p{N}☃]+")
+    assert pattern != LLAMA3_PATTERN
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.save(str(tmp_path / "gap.json"))
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str("x☃☃ y")]
+    assert pieces == ["x", "âĺĥâĺĥ", "Ġy"]  # the gap "☃☃" is one piece (in byte-level form)
+    gaps = ["a ☃ b", "x☃", "☃☃ ☃x ☃", "1☃2\n☃\n", " ☃", "☃"]
+    _assert_same_ids(tmp_path / "gap.json", gaps + [t.replace(" ", " ☃ ") for t in texts[:200]])
 
 
 def test_documents_are_sampled_through_the_run(tmp_path, example_tokenizer):
@@ -179,6 +239,35 @@ def test_refused_shapes(example_tokenizer):
         ({"added_tokens": [{"id": 0, "content": "<|endoftext|>", "lstrip": True}]}, "strips"),
         ({"model": {**described["model"], "byte_fallback": True}}, "byte_fallback"),
         ({"model": {**described["model"], "dropout": 0.1}}, "dropout"),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Split", "pattern": {"Regex": r"(a)\1|."}, "behavior": "Isolated"},
+                        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+                    ],
+                }
+            },
+            "backreference",
+        ),
     ]:
         with pytest.raises(NotConvertible, match=why):
             FastBPE.from_description({**described, **change})
+
+
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_bpe_dropout_is_refused(tmp_path, example_tokenizer, engine):
+    """Dropout makes tokenizers' own ids random: two runs would write different files."""
+    described = json.loads(example_tokenizer.read_text())
+    described["model"]["dropout"] = 0.1
+    (tmp_path / "dropout.json").write_text(json.dumps(described))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "some words to drop out of"}] * 20)
+    result = cli(
+        "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", tmp_path / "dropout.json",
+        "--tokenizer-engine", engine, "--quiet", "--workers", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "dropout.json: model.dropout is 0.1: BPE dropout" in result.stderr
+    assert not list(tmp_path.glob("out*"))

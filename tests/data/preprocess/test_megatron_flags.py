@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,11 @@ def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokeni
     [
         (["--split-sentences"], 2, "does not split sentences"),
         (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file vocab.json and --merge-file"),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--vocab-file", "v", "--merge-file", "m"],
+            1,
+            "HuggingFaceTokenizer reads --tokenizer-model (a hub name or a directory), not --vocab",
+        ),
         (["--tokenizer-type", "SentencePieceTokenizer"], 2, "'SentencePieceTokenizer' is not"),
         (["--output-prefix", "x", "--out", "y"], 2, "--out or as --output-prefix"),
     ],
@@ -207,6 +213,81 @@ def test_allow_download_fetches_only_tokenizer_files_and_then_works_offline(
     expected = reference.encode("hello world").ids + [reference.token_to_id("<|endoftext|>")]
     for out in ("fetched", "cached"):
         assert IndexedDataset(str(tmp_path / out)).get_document(0).tolist() == expected
+
+
+def _hub_env(endpoint: str, cache: Path) -> dict[str, str]:
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(cache)}
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
+def test_what_the_hub_answered_is_said(tmp_path):
+    """A repository the hub does not have (a plain 404, and huggingface.co's own 401 with
+    RepoNotFound), one without tokenizer files, and a hub that is down: one line each, and
+    only the last says the hub could not be reached."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    weights = {"model.safetensors": b"\0" * 64, "config.json": b"{}"}
+
+    def run(name: str, endpoint: str) -> subprocess.CompletedProcess[str]:
+        return cli(
+            "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", name,
+            "--allow-download", "--quiet", "--workers", "1",
+            env=_hub_env(endpoint, tmp_path / "cache"),
+        )  # fmt: skip
+
+    answers = {}
+    with hub_server("hp-org/weights", weights) as (endpoint, _):
+        answers["404"] = run("hp-org/missing", endpoint)
+        answers["no tokenizer"] = run("hp-org/weights", endpoint)
+    with hub_server("hp-org/weights", weights, as_the_hub=True) as (endpoint, _):
+        answers["401"] = run("hp-org/missing", endpoint)
+    answers["down"] = run("hp-org/missing", endpoint)  # the server is gone
+    for why, result in answers.items():
+        assert result.returncode == 1, why
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, why
+    for why in ("404", "401"):
+        assert "hp-org/missing: the Hugging Face hub (http://127.0.0.1:" in answers[why].stderr
+        assert "has no model repository of that name" in answers[why].stderr
+    assert "hp-org/weights: the Hugging Face hub repository has no tokenizer.json" in (
+        answers["no tokenizer"].stderr
+    )  # and not huggingface_hub's "No files matched allow_patterns" under --quiet
+    assert "hp-org/missing: could not reach the Hugging Face hub" in answers["down"].stderr
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_a_damaged_cached_tokenizer_is_fetched_again(tmp_path, example_tokenizer):
+    """A cached tokenizer.json whose bytes are not the hub's (here two ids swapped: it would
+    load, and give other ids) is refused offline, naming the cached copy, and fetched again
+    with --allow-download."""
+    files = {"tokenizer.json": example_tokenizer.read_bytes()}
+    reference = Tokenizer.from_file(str(example_tokenizer)).encode("hello world").ids
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    cache = tmp_path / "cache"
+    command = ["preprocess", corpus, "--tokenizer", "hp-org/tiny", "--workers", "1", "--quiet"]
+    with hub_server("hp-org/tiny", files) as (endpoint, requested):
+        env = _hub_env(endpoint, cache)
+        fetched = cli(*command, "--out", tmp_path / "fetched", "--allow-download", env=env)
+        assert fetched.returncode == 0, fetched.stderr
+        cached = cache / "models--hp-org--tiny" / "snapshots" / COMMIT / "tokenizer.json"
+        described = json.loads(cached.read_text())
+        vocab = described["model"]["vocab"]
+        vocab["hello"], vocab["Ġworld"] = vocab["Ġworld"], vocab["hello"]
+        damaged = json.dumps(described)
+        assert Tokenizer.from_str(damaged).encode("hello world").ids != reference
+        Path(os.path.realpath(cached)).write_text(damaged)  # the blob the snapshot links to
+        offline = cli(*command, "--out", tmp_path / "offline", env=env)
+        assert offline.returncode == 1
+        assert offline.stderr.count("\n") == 1 and "Traceback" not in offline.stderr
+        assert f"hp-org/tiny: the cached copy at {cached} is damaged" in offline.stderr
+        assert "--allow-download" in offline.stderr
+        del requested[:]
+        again = cli(*command, "--out", tmp_path / "again", "--allow-download", env=env)
+        assert again.returncode == 0, again.stderr
+        assert [p for p in requested if p.endswith("/tokenizer.json")]  # fetched again
+    assert cached.read_bytes() == example_tokenizer.read_bytes()
+    assert read_bytes(tmp_path / "again") == read_bytes(tmp_path / "fetched")
+    assert IndexedDataset(str(tmp_path / "again")).get_document(0).tolist() == reference
+    assert not list(tmp_path.glob("offline*"))
 
 
 def test_gpt2_files_named_relatively_load_from_another_directory(tmp_path, gpt2_files, monkeypatch):

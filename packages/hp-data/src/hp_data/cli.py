@@ -362,8 +362,8 @@ def plan_command(
     type=click.Choice(["auto", "hf", "tiktoken"]),
     default="auto",
     show_default=True,
-    help="auto: tiktoken where it reproduces tokenizers' ids exactly (byte-level BPE, checked "
-    "on probe texts and sampled documents), else tokenizers (hf). tiktoken: insist on it.",
+    help="auto: tiktoken where it is proven to give tokenizers' ids (byte-level BPE; also "
+    "checked on probe texts and sampled documents), else tokenizers (hf). tiktoken: insist.",
 )
 @click.option(
     "--verify",

@@ -1,16 +1,30 @@
 """A faster exact engine for byte-level BPE: `tiktoken` built from a tokenizer.json's own
-vocabulary, merges and split pattern, and the checks that prove it gives `tokenizers`' ids.
+vocabulary, merges and split pattern, and the proof that it gives `tokenizers`' ids.
 
 `tiktoken` and `tokenizers` run the same algorithm on byte-level BPE (split the text on added
-tokens, then with a regex, then merge each piece's bytes pair by pair, lowest rank first).
-They differ in what a rank is attached to: `tokenizers` ranks merges (pairs), `tiktoken`
-ranks the merged bytes, and `tiktoken` emits a piece that is itself a token whole (what
-`tokenizers` calls `ignore_merges`). The conversion keeps only tokenizers it can map one to
-one (each merge makes a new token from two earlier ones, no normalizer, no prefix space,
-added tokens matched literally) and says why it refuses the rest. What a static check cannot
-rule out (a regex dialect difference, a piece that merges into a token by another path) is
-caught by comparing ids: `verify` on a probe set before a run, and the pipeline on sampled
-documents during it.
+tokens, then with a regex, then merge each piece's bytes pair by pair, lowest rank first,
+leftmost on a tie). They differ in what a rank is attached to: `tokenizers` ranks merges
+(pairs), `tiktoken` ranks the merged bytes, and `tiktoken` emits a piece that is itself a token
+whole (what `tokenizers` calls `ignore_merges`). The conversion keeps only tokenizers it can
+map one to one (each merge makes a new token from two earlier ones, ranks in merge order, no
+normalizer, no prefix space, added tokens matched literally) and says why it refuses the rest.
+
+Why one more condition makes the merging exact (`prove`). With ranks in merge order and one
+merge per token, the engines agree on every pair `tokenizers` may join; they can part only
+where `tiktoken` joins adjacent tokens x, y whose bytes form a token t although (x, y) is not
+t's merge (the merge is QX + J, the pieces are Q, XJ). Say they part there first. Until then
+both made the same joins, and those inside t's bytes came in the order `tokenizers` makes
+them on t's bytes alone (a join elsewhere does not touch them, none crossed their edges), so
+`tokenizers` alone on t's bytes stops at x, y. Hence if `tokenizers`' merges make every token
+of its own bytes, the engines never part; then a piece that is a token is also what
+`tokenizers` makes of it, so `tiktoken`'s whole-piece shortcut agrees too. The condition is a
+check per token, but not one of its splits' ranks alone: whether t is reached depends on the
+order in which its parts and their neighbours form, which is why `prove` runs `tokenizers`'
+own BPE on every token (about a second for 256k tokens). Without `ignore_merges` it is also
+necessary (a piece that is an unreached token: `tiktoken` emits it whole, `tokenizers` not).
+The split regex is given to both (to `tiktoken` made to keep the text between matches, as
+`tokenizers` does, `_keeping_gaps`); what no proof here covers, the two regex engines' dialects,
+is checked by comparing ids: on a probe set before a run, and on sampled documents during it.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import functools
 import itertools
 import os
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +43,22 @@ import orjson
 
 # The split regex of tokenizers' ByteLevel pre-tokenizer with use_regex=true (GPT-2's).
 BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama 3's split regex, as its tokenizer.json gives it.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Split regexes that match at every position of any text: each character is a letter, a
+# number, a space or none of these, and an alternative takes each kind on its own.
+COVERING_PATTERNS = frozenset((BYTE_LEVEL_PATTERN, LLAMA3_PATTERN))
 
 
 class NotConvertible(Exception):
     """The tokenizer is not one the fast engine reproduces exactly; the message says why."""
+
+
+class NotProven(NotConvertible):
+    """The tokenizer converts, but `prove` finds a token the two engines can reach apart."""
 
 
 @functools.cache
@@ -78,8 +105,9 @@ class FastBPE:
             return cls.from_description(orjson.loads(stream.read()))
 
     @classmethod
-    def from_description(cls, described: dict[str, Any]) -> FastBPE:
-        """Convert a parsed tokenizer.json, or raise `NotConvertible`."""
+    def from_description(cls, described: dict[str, Any], proven: bool = False) -> FastBPE:
+        """Convert a parsed tokenizer.json, or raise `NotConvertible`; with `proven`, also
+        unless `prove` shows the merging exact (once per run: workers skip it)."""
         for option in ("truncation", "padding"):
             if described.get(option):
                 raise NotConvertible(f"it sets {option}")
@@ -100,14 +128,18 @@ class FastBPE:
             raise NotConvertible("its BPE marks subwords (prefix or suffix)")
         vocab: dict[str, int] = model.get("vocab") or {}
         added = described.get("added_tokens") or []
-        return cls._build(pattern, vocab, model.get("merges") or [], added, model)
+        merges = _pairs(model.get("merges") or [])
+        recipe = cls._build(pattern, vocab, merges, added, model)
+        if proven:
+            prove(vocab, merges, recipe)
+        return recipe
 
     @classmethod
     def _build(
         cls,
         pattern: str,
         vocab: dict[str, int],
-        merges: Sequence[Any],
+        merges: Sequence[tuple[str, str]],
         added: Sequence[dict[str, Any]],
         model: dict[str, Any],
     ) -> FastBPE:
@@ -119,8 +151,7 @@ class FastBPE:
                 raise NotConvertible(f"byte {byte} has no token")
             ranks[bytes([byte])] = len(ids)
             ids.append(vocab[char])
-        for number, merge in enumerate(merges):
-            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        for number, (left, right) in enumerate(merges):
             made = left + right
             if made not in vocab:
                 raise NotConvertible(f"merge {number} makes {made!r}, which is not in the vocab")
@@ -163,6 +194,39 @@ class FastBPE:
         return TiktokenEngine(self)
 
 
+def _pairs(merges: Sequence[Any]) -> list[tuple[str, str]]:
+    """A tokenizer.json's merges as (left, right), from either of its spellings."""
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def prove(vocab: dict[str, int], merges: list[tuple[str, str]], recipe: FastBPE) -> None:
+    """Raise `NotProven` unless `tokenizers`' merges, alone, make every token that
+    `tiktoken` may join (`recipe`'s, converted from `vocab` and `merges`) of its own bytes:
+    the condition under which the two merge alike (the module docstring says why)."""
+    from tokenizers import models
+
+    made = [left + right for left, right in merges]
+    if len(recipe.ranks) > 256 + len(made):  # ignore_merges kept tokens that no merge makes
+        unmade = next(itertools.islice(recipe.ranks, 256 + len(made), None))
+        raise NotProven(
+            f"no merge makes its token {_as_text(unmade)!r}, which tiktoken joins from parts"
+        )
+    bpe = models.BPE(vocab=vocab, merges=merges)  # merges only: no ignore_merges, no dropout
+    for token, parts in zip(made, map(bpe.tokenize, made), strict=True):
+        if len(parts) != 1:
+            split = " + ".join(repr(part.value) for part in parts)
+            raise NotProven(
+                f"its merges make {split} of the bytes of its token {token!r}, which tiktoken "
+                "joins whole, so the engines can part"
+            )
+
+
+def _as_text(key: bytes) -> str:
+    """The byte-level token that stands for `key` (`_as_bytes` undone)."""
+    chars = _byte_chars()
+    return "".join(chars[byte] for byte in key)
+
+
 def _pattern(pre_tokenizer: dict[str, Any] | None) -> str:
     """tiktoken's split regex for a pre-tokenizer: ByteLevel with its regex, or a Split
     (Isolated) regex followed by a ByteLevel without one (as in Llama 3)."""
@@ -189,7 +253,17 @@ def _pattern(pre_tokenizer: dict[str, Any] | None) -> str:
     regex = (split.get("pattern") or {}).get("Regex")
     if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
         raise NotConvertible("its Split is not an isolating regex")
-    return regex
+    if re.search(r"\\[1-9]|\\k<", regex):  # _keeping_gaps repeats it: numbers would shift
+        raise NotConvertible("its Split regex uses a backreference")
+    return regex if regex in COVERING_PATTERNS else _keeping_gaps(regex)
+
+
+def _keeping_gaps(regex: str) -> str:
+    """`regex` for tiktoken, which drops the text between matches where `tokenizers` keeps each
+    such gap as a piece: a second alternative takes a gap, a run of characters at none of
+    which `regex` matches, and ends where `tokenizers`' next match starts. (Not needed for
+    `COVERING_PATTERNS`, and a few percent slower.)"""
+    return f"(?:{regex})|(?:(?!(?:{regex}))[\\s\\S])+"
 
 
 class TiktokenEngine:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -17,7 +20,7 @@ import xxhash
 from tokenizers import Tokenizer
 
 from hp_data.errors import PreprocessError, first_line
-from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
+from hp_data.fast_bpe import FastBPE, NotConvertible, NotProven, compare, probe_texts
 
 # Tried in order when neither --eod-token nor tokenizer_config.json names the token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -212,23 +215,104 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 def _from_hub(name: str, allow_download: bool) -> str:
     """The directory of `name`'s tokenizer files in the Hugging Face cache (HF_HOME,
-    HF_HUB_CACHE), fetched first if `allow_download`."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    HF_HUB_CACHE), fetched first if `allow_download`; a cached file whose bytes are not the
+    hub's (its blob name is their hash) is fetched again once, or refused."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
+    missing = (
+        f"{name}: the Hugging Face hub ({constants.ENDPOINT}) has no model repository of that "
+        "name (a private or gated one needs a token: hf auth login)"
+    )
     try:
-        return snapshot_download(
-            name, allow_patterns=HUB_FILES, local_files_only=not allow_download
-        )
-    except LocalEntryNotFoundError:
-        if allow_download:
-            raise PreprocessError(f"{name}: could not reach the Hugging Face hub") from None
+        with _hub_notices_dropped():
+            folder = snapshot_download(
+                name, allow_patterns=HUB_FILES, local_files_only=not allow_download
+            )
+    except LocalEntryNotFoundError as exc:
+        if not allow_download:
+            raise PreprocessError(
+                f"{name}: no such file or directory, and not in the Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}); fetch it with --allow-download"
+            ) from None
+        cause = exc.__cause__
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if status in (401, 403, 404):  # the hub answered: there is no such repository
+            raise PreprocessError(missing) from None
+        why = f": {first_line(cause)}" if cause is not None else ""
         raise PreprocessError(
-            f"{name}: no such file or directory, and not in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); fetch it with --allow-download"
+            f"{name}: could not reach the Hugging Face hub ({constants.ENDPOINT}){why}"
         ) from None
+    except RepositoryNotFoundError:
+        raise PreprocessError(missing) from None
     except (HfHubHTTPError, ValueError, OSError) as exc:
         raise PreprocessError(f"{name}: {first_line(exc)}") from None
+    for file in _damaged(folder):
+        if not allow_download:
+            raise PreprocessError(
+                f"{name}: the cached copy at {file} is damaged (its bytes are not the hub's); "
+                "fetch it again with --allow-download"
+            )
+        try:
+            revision = os.path.basename(folder)
+            hf_hub_download(name, os.path.basename(file), revision=revision, force_download=True)
+        except (HfHubHTTPError, ValueError, OSError) as exc:
+            raise PreprocessError(
+                f"{name}: the cached copy at {file} is damaged, and fetching it again failed: "
+                f"{first_line(exc)}"
+            ) from None
+        if file in _damaged(folder):
+            raise PreprocessError(f"{name}: {file} is damaged even as fetched again")
+    names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:
+        raise PreprocessError(
+            f"{name}: the Hugging Face hub repository has no tokenizer.json (nor vocab.json "
+            "and merges.txt)" + ("" if allow_download else "; fetch it with --allow-download")
+        )
+    return folder
+
+
+def _damaged(folder: str) -> list[str]:
+    """The files of a hub cache snapshot whose bytes do not hash to the blob they link to
+    (named by the hub's ETag: sha256 for large files, the git blob sha1 for others)."""
+    damaged = []
+    for name in HUB_FILES:
+        path = os.path.join(folder, name)
+        blob = os.path.realpath(path)
+        if not os.path.isfile(path) or os.path.basename(os.path.dirname(blob)) != "blobs":
+            continue  # not there, or not a link into the cache's blobs: nothing to hold it to
+        with open(blob, "rb") as stream:
+            data = stream.read()
+        expected = os.path.basename(blob)
+        if len(expected) == 64:
+            found = hashlib.sha256(data).hexdigest()
+        elif len(expected) == 40:
+            found = hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+        else:
+            continue
+        if found != expected:
+            damaged.append(path)
+    return damaged
+
+
+@contextlib.contextmanager
+def _hub_notices_dropped() -> Iterator[None]:
+    """huggingface_hub's "No files matched allow_patterns" notice, dropped: a repository
+    without tokenizer files is said in hp's one line (and it printed even under --quiet)."""
+    logger = logging.getLogger("huggingface_hub._snapshot_download")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No files matched")
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _config(path: str | None) -> dict[str, Any]:
@@ -266,6 +350,11 @@ def resolve_tokenizer(
     if tokenizer_type is not None and tokenizer_type not in MEGATRON_TOKENIZER_TYPES:
         known = ", ".join(f"{k} ({v})" for k, v in MEGATRON_TOKENIZER_TYPES.items())
         raise PreprocessError(f"--tokenizer-type {tokenizer_type}: hp-data reads {known}")
+    if tokenizer_type not in (None, "GPT2BPETokenizer") and (vocab_file or merge_file):
+        raise PreprocessError(
+            f"--tokenizer-type {tokenizer_type} reads {MEGATRON_TOKENIZER_TYPES[tokenizer_type]}"
+            ", not --vocab-file/--merge-file (GPT2BPETokenizer's)"
+        )
     gpt2 = tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file
     if gpt2:
         if not (vocab_file and merge_file) or tokenizer:
@@ -343,17 +432,24 @@ class Engine(Protocol):
 def choose_engine(
     files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
 ) -> tuple[FastBPE | None, int]:
-    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts proved it.
+    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts it passed.
 
-    `auto` takes `tiktoken` only for a tokenizer it converts exactly and that gives the same
-    ids on the probe set; `tiktoken` makes either failure an error; `hf` skips both."""
+    `auto` takes `tiktoken` only for a tokenizer it converts, proves exact (`fast_bpe.prove`)
+    and that gives the same ids on the probe set; `tiktoken` makes any failure an error; `hf`
+    skips all three. Any engine refuses a tokenizer whose own ids are random (BPE dropout)."""
     if requested not in ENGINES:
         raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
+    dropout = getattr(getattr(tokenizer, "model", None), "dropout", None)
+    if dropout:
+        raise PreprocessError(
+            f"{files.tokenizer_json}: model.dropout is {dropout:g}: BPE dropout gives other ids on "
+            "every run; set it to null in the tokenizer file to preprocess with it"
+        )
     if requested == "hf":
         return None, 0
     source = files.tokenizer_json
     try:
-        recipe = fast_recipe(files)
+        recipe = fast_recipe(files, proven=True)
         engine = recipe.engine()
     except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
         # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
@@ -362,6 +458,9 @@ def choose_engine(
                 f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "
                 f"{exc}; use --tokenizer-engine auto or hf"
             ) from None
+        if isinstance(exc, NotProven):  # byte-level BPE that looked fast: say why it is not
+            message = f"{source}: tiktoken is not exact for it: {exc}; using tokenizers"
+            warnings.warn(message, stacklevel=2)
         return None, 0
     added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
     probes = probe_texts(added)
@@ -378,11 +477,12 @@ def choose_engine(
     return recipe, len(probes)
 
 
-def fast_recipe(files: TokenizerFiles) -> FastBPE:
-    """The tiktoken engine's recipe for this tokenizer (raises NotConvertible)."""
+def fast_recipe(files: TokenizerFiles, proven: bool = False) -> FastBPE:
+    """The tiktoken engine's recipe for this tokenizer (raises NotConvertible); `proven`:
+    only if `fast_bpe.prove` shows it exact (once per run, not in every worker)."""
     if files.sentencepiece:
         raise NotConvertible("it is a SentencePiece model")
-    return FastBPE.from_description(orjson.loads(files.read()))
+    return FastBPE.from_description(orjson.loads(files.read()), proven)
 
 
 class SentencePieceModel:
