@@ -1,9 +1,10 @@
 """Shards as Ray tasks on a real local cluster (2 CPUs): the merged output is byte-identical
 to a one-machine run, also when a worker process is killed in the middle of a task; a run
-whose tasks no node can take ends in one line instead of waiting for ever."""
+whose tasks no node can take ends in one line instead of waiting for ever; --quiet is quiet."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from tests.helpers.run import cli, documented_json_keys, read_bytes, run_preproc
 ray = pytest.importorskip("ray")
 
 OPTIONS = {"append_eod": True, "dedup": "exact", "unit_bytes": 40_000}
+FLAGS = ("--append-eod", "--dedup", "exact", "--unit-mb", str(40_000 / (1 << 20)))  # the same
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +48,27 @@ def corpus(tmp_path_factory, example_corpus) -> list[Path]:
     ]
 
 
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory, corpus, example_tokenizer) -> tuple[bytes, ...]:
+    """The bytes a one-machine run writes: what every Ray run must write."""
+    out = tmp_path_factory.mktemp("one-machine") / "one"
+    run_preprocess(corpus, out, example_tokenizer, **OPTIONS)
+    return read_bytes(out, metadata=True)
+
+
 def _on_ray(corpus, out, tokenizer, tasks: int) -> dict:
     options = PreprocessOptions(workers=1, num_shards=tasks, show_progress=False, **OPTIONS)
     return preprocess_on_ray([str(p) for p in corpus], str(out), str(tokenizer), options)
 
 
 @pytest.mark.slow
-def test_ray_tasks_merge_to_the_one_machine_bytes(cluster, tmp_path, corpus, example_tokenizer):
-    run_preprocess(corpus, tmp_path / "one", example_tokenizer, **OPTIONS)
+def test_ray_tasks_merge_to_the_one_machine_bytes(
+    cluster, tmp_path, corpus, example_tokenizer, one_machine
+):
     report = _on_ray(corpus, tmp_path / "ray", example_tokenizer, tasks=5)
     assert report["tasks"] == 5 and report["duplicates_across_shards"] > 0
     assert set(report) == documented_json_keys()["hp-data preprocess --ray --json"]
-    assert read_bytes(tmp_path / "ray", metadata=True) == read_bytes(
-        tmp_path / "one", metadata=True
-    )
+    assert read_bytes(tmp_path / "ray", metadata=True) == one_machine
 
 
 def _kill_first_task(name: str, killed: list[int], stop: threading.Event) -> None:
@@ -80,22 +89,24 @@ def _kill_first_task(name: str, killed: list[int], stop: threading.Event) -> Non
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(
-    cluster, tmp_path, corpus, example_tokenizer
+    cluster, tmp_path, corpus, example_tokenizer, one_machine
 ):
-    run_preprocess(corpus, tmp_path / "one", example_tokenizer, **OPTIONS)
+    """Through the command: Ray's notice of the death, which its driver prints on stdout,
+    must not land in the --json object there."""
     killed: list[int] = []
     stop = threading.Event()
     killer = threading.Thread(target=_kill_first_task, args=("_shard", killed, stop))
     killer.start()
     try:
-        _on_ray(corpus, tmp_path / "ray", example_tokenizer, tasks=3)
+        result = _cli_on_ray(corpus, tmp_path / "ray", example_tokenizer, f"--ray={cluster}",
+                             "--num-shards", "3", "--workers", "1", *FLAGS, "--json")  # fmt: skip
     finally:
         stop.set()
         killer.join()
     assert killed, "no task was caught running"
-    assert read_bytes(tmp_path / "ray", metadata=True) == read_bytes(
-        tmp_path / "one", metadata=True
-    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and json.loads(result.stdout)["tasks"] == 3
+    assert read_bytes(tmp_path / "ray", metadata=True) == one_machine
 
 
 def test_without_ray_the_flag_says_what_to_install(monkeypatch, tmp_path, corpus):
@@ -183,3 +194,14 @@ def test_a_run_on_a_busy_cluster_stops_and_cancels_its_tasks(
     ray.get(_on_every_cpu.remote(), timeout=60)
     time.sleep(1.0)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_quiet_prints_nothing_but_the_json(tmp_path, corpus, example_tokenizer, one_machine):
+    """With a local cluster of its own, whose start prints Ray's token-authentication notice."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    result = _cli_on_ray(corpus, tmp_path / "ray", example_tokenizer, "--ray", "--workers", "1",
+                         *FLAGS, "--json", env=env)  # fmt: skip
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.count("\n") == 1 and json.loads(result.stdout)["ok"] is True
+    assert read_bytes(tmp_path / "ray", metadata=True) == one_machine

@@ -14,7 +14,10 @@ tasks is running for `schedule_timeout` seconds stops, cancelling what it submit
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -56,7 +59,8 @@ def preprocess_on_ray(
     else a Ray address. `options.num_shards` above 1 sets the number of tasks, else one per
     CPU of the cluster; `options.workers` tokenizer processes run in each task (and it asks
     Ray for as many CPUs). `schedule_timeout` (default `SCHEDULE_TIMEOUT`): seconds during
-    which none of the run's tasks runs before it stops."""
+    which none of the run's tasks runs before it stops. While it runs, Ray's notices go to
+    stderr (Ray prints them on stdout), and with `options.show_progress` off they are dropped."""
     try:
         import ray
     except ImportError:
@@ -74,14 +78,31 @@ def preprocess_on_ray(
     found = discover(inputs, options.input_format)  # bad inputs fail here, before any task
     timeout = SCHEDULE_TIMEOUT if schedule_timeout is None else schedule_timeout
     started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-    try:
-        _check_fits(ray, options.workers)
-        return _run(ray, found, inputs, out_prefix, tokenizer, options, started, timeout)
-    finally:
+    with _ray_notices(quiet=not options.show_progress):
         if started_here:
-            ray.shutdown()
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        try:
+            _check_fits(ray, options.workers)
+            return _run(ray, found, inputs, out_prefix, tokenizer, options, started, timeout)
+        finally:
+            if started_here:
+                ray.shutdown()
+
+
+@contextlib.contextmanager
+def _ray_notices(quiet: bool) -> Iterator[None]:
+    """Ray's driver prints its raylet's notices (a worker died, say) on stdout, where --json's
+    object goes: send them to stderr, and with `quiet` drop them and Ray's logged banners (its
+    token-authentication notice), errors aside."""
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open(os.devnull, "w")) if quiet else sys.stderr
+        stack.enter_context(contextlib.redirect_stdout(sink))
+        if quiet:
+            ray_logger.setLevel(logging.ERROR)
+            stack.callback(ray_logger.setLevel, level)
+        yield
 
 
 def _largest_node(ray: Any) -> float:
