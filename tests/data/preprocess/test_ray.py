@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -205,3 +206,14 @@ def test_quiet_prints_nothing_but_the_json(tmp_path, corpus, example_tokenizer, 
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.count("\n") == 1 and json.loads(result.stdout)["ok"] is True
     assert read_bytes(tmp_path / "ray", metadata=True) == one_machine
+
+
+def test_an_address_nothing_answers_at_is_one_line(tmp_path, corpus, example_tokenizer):
+    """Ray itself would retry it for about a quarter of an hour."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = _cli_on_ray(corpus, tmp_path / "x", example_tokenizer, f"--ray=127.0.0.1:{port}")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"--ray=127.0.0.1:{port}: cannot reach it" in result.stderr
+    assert not any(tmp_path.iterdir())

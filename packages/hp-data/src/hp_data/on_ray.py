@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from hp_data.errors import PreprocessError, first_line
 from hp_data.pipeline import PreprocessOptions, preprocess
@@ -34,6 +36,7 @@ from hp_data.tokenize import TokenizerFiles
 # Seconds the driver waits while none of its tasks runs (a node may be coming up) before it
 # stops: long enough for an autoscaler to add a node, short of a hang.
 SCHEDULE_TIMEOUT = 600.0
+CONNECT_TIMEOUT = 10.0  # seconds for a cluster's address to accept a connection
 
 
 def _shard(
@@ -80,7 +83,7 @@ def preprocess_on_ray(
     started_here = not ray.is_initialized()
     with _ray_notices(quiet=not options.show_progress):
         if started_here:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            _connect(ray, address)
         try:
             _check_fits(ray, options.workers)
             return _run(ray, found, inputs, out_prefix, tokenizer, options, started, timeout)
@@ -103,6 +106,33 @@ def _ray_notices(quiet: bool) -> Iterator[None]:
             ray_logger.setLevel(logging.ERROR)
             stack.callback(ray_logger.setLevel, level)
         yield
+
+
+def _connect(ray: Any, address: str | None) -> None:
+    """ray.init, after a check that a given address answers at all: Ray retries one that does
+    not for about a quarter of an hour."""
+    given, where = address, "--ray" if address is None else f"--ray={address}"
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):  # what Ray then joins
+        given = os.environ["RAY_ADDRESS"]
+        where = f"RAY_ADDRESS={given}"
+    if given not in (None, "auto", "local"):
+        url = urlsplit(given if "://" in given else f"//{given}")
+        try:
+            if url.port is None:
+                raise ValueError("no port")
+            socket.create_connection((url.hostname, url.port), timeout=CONNECT_TIMEOUT).close()
+        except (OSError, ValueError) as exc:  # ValueError: the port is missing or no number
+            raise PreprocessError(
+                f"{where}: cannot reach it ({getattr(exc, 'strerror', None) or exc}); give the "
+                "head node's HOST:PORT, as `ray start --head` prints it"
+            ) from None
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except ConnectionError as exc:
+        raise PreprocessError(
+            f"{where}: {first_line(exc)}; check that the cluster is up, and for a cluster with "
+            "token authentication set RAY_AUTH_MODE=token"
+        ) from None
 
 
 def _largest_node(ray: Any) -> float:
