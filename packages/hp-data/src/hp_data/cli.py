@@ -471,6 +471,14 @@ def plan_command(
     help="Run the shards as tasks on a Ray cluster and merge them: --ray=auto (this machine's "
     "cluster), --ray=ADDRESS, or --ray alone for a local one (needs hp-data[ray]).",
 )
+@click.option(
+    "--ray-schedule-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=lambda ctx, param, value: value if value is None else _finite(param, value),
+    default=None,
+    help="With --ray: stop when none of the run's tasks has been running for this many "
+    "seconds (no node with --workers free CPUs) [default: 600].",
+)
 @_quiet_option()
 @_json_option("the summary")
 @click.option("--split-sentences", is_flag=True, hidden=True)
@@ -510,6 +518,7 @@ def preprocess_command(
     units: int | None,
     unit_mb: float | None,
     ray_address: str | None,
+    ray_schedule_timeout: float | None,
     quiet: bool,
     as_json: bool,
     split_sentences: bool,
@@ -572,7 +581,9 @@ def preprocess_command(
         from hp_data.on_ray import preprocess_on_ray
 
         address = None if ray_address == "local" else ray_address
-        report = preprocess_on_ray(list(corpus), out_prefix, files, options, address)
+        report = preprocess_on_ray(
+            list(corpus), out_prefix, files, options, address, ray_schedule_timeout
+        )
         if as_json:
             _emit(report)
         else:
@@ -582,6 +593,8 @@ def preprocess_command(
                 f"({report['documents_in']:,} in); {report['seconds']:.1f} s"
             )
         return
+    if ray_schedule_timeout is not None:
+        raise click.UsageError("--ray-schedule-timeout is for --ray; leave it out")
     if num_shards > 1 and shard_index is None:
         raise click.UsageError("--num-shards needs --shard-index (which shard this run is)")
     summary = preprocess(list(corpus), out_prefix, files, options)
