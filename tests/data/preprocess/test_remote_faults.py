@@ -111,6 +111,23 @@ def _same_size_variant(data: bytes) -> bytes:
     return changed
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_no_positive_number_is_refused_naming_the_flag(tmp_path, value):
+    from click.testing import CliRunner
+    from hp_data import PreprocessError
+    from hp_data.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    for command in (["plan", str(corpus)], ["preprocess", str(corpus), "--out", "x"]):
+        result = CliRunner().invoke(main, [*command, "--remote-timeout", value])
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert "Invalid value for '--remote-timeout'" in result.output
+    with pytest.raises(PreprocessError, match=r"^--remote-timeout .*: give a positive number"):
+        run_preprocess([corpus], tmp_path / "o", "unused", remote_timeout=float(value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
 # -- HTTP -----------------------------------------------------------------------------------
 
 

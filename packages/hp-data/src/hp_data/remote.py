@@ -186,7 +186,7 @@ def expand(spec: str, corpus_format: Callable[[str], str | None]) -> list[str]:
     verb = "list"
 
     def listing(directory: str) -> list[str]:
-        entries = _retrying(spec, lambda: fs.ls(directory, detail=True))
+        entries = _retrying(lambda: fs.ls(directory, detail=True))
         names = sorted(e["name"] for e in entries if e["type"] == "file")
         found = [_url(fs, name) for name in names if corpus_format(name) is not None]
         if not found:
@@ -195,7 +195,7 @@ def expand(spec: str, corpus_format: Callable[[str], str | None]) -> list[str]:
 
     try:
         if glob.has_magic(path):
-            matches = _retrying(spec, lambda: fs.glob(path, detail=True))
+            matches = _retrying(lambda: fs.glob(path, detail=True))
             if not matches:
                 raise PreprocessError(f"{spec}: pattern matches no files")
             urls = []
@@ -204,7 +204,7 @@ def expand(spec: str, corpus_format: Callable[[str], str | None]) -> list[str]:
                 urls += listing(name) if is_dir else [_url(fs, name)]
             return urls
         verb = "read"
-        info = _retrying(spec, lambda: fs.info(path))
+        info = _retrying(lambda: fs.info(path))
         directory = info.get("type") == "directory" or (
             _is_http(fs)
             and (path.endswith("/") or (info.get("mimetype") == "text/html" and
@@ -221,11 +221,11 @@ def expand(spec: str, corpus_format: Callable[[str], str | None]) -> list[str]:
 
 
 def identify(url: str) -> Pin:
-    """What the object at `url` is now (its pin), warning once when nothing strong identifies
-    it: then a change that keeps its size and modification time cannot be seen."""
+    """What the object at `url` is now (its pin), with a warning (one line) when nothing
+    strong identifies it: then a change that keeps its size and modification time is not seen."""
     fs, path = _split(url)
     try:
-        info = _retrying(url, lambda: fs.info(path))
+        info = _retrying(lambda: fs.info(path))
     except Exception as exc:
         raise _failure(url, exc) from None
     if info.get("type") == "directory":
@@ -256,7 +256,7 @@ def _now(path: str) -> Pin:
     fs, stripped = _split(path)
     fs.invalidate_cache(stripped)
     try:
-        return Pin.of_info(_retrying(path, lambda: fs.info(stripped)))
+        return Pin.of_info(_retrying(lambda: fs.info(stripped)))
     except Exception as exc:
         raise _failure(path, exc) from None
 
@@ -303,7 +303,7 @@ def _open_url(url: str, pin: Pin | None, read_ahead: bool) -> Iterator[BinaryIO]
         options["size"] = pin.size  # known: no HEAD of fsspec's, the check below makes one
     fs.invalidate_cache(path)  # a listing's info is no check
     try:
-        stream = _retrying(url, lambda: fs.open(path, "rb", **options))
+        stream = _retrying(lambda: fs.open(path, "rb", **options))
     except Exception as exc:
         raise _failure(url, exc) from None
     with contextlib.closing(stream):
@@ -325,7 +325,8 @@ class _Reader:
 
     def read(self, size: int = -1) -> bytes:
         at = self.stream.tell()
-        wanted = self.size - at if size < 0 else max(min(size, self.size - at), 0)
+        left = max(self.size - at, 0)
+        wanted = left if size < 0 else min(size, left)
 
         def attempt() -> bytes:
             self.stream.seek(at)
@@ -335,7 +336,7 @@ class _Reader:
             return data
 
         try:
-            return _retrying(self.url, attempt)
+            return _retrying(attempt)
         except Exception as exc:
             raise _failure(self.url, exc, f"bytes {at}-{at + wanted}") from None
 
@@ -386,7 +387,7 @@ class _ShortRead(OSError):
     """A server sent fewer bytes than asked for, and than the object holds."""
 
 
-def _retrying(url: str, call: Callable[[], T]) -> T:
+def _retrying(call: Callable[[], T]) -> T:
     """`call()`, tried again after a passing failure, `TRIES` times in all."""
     for attempt in range(TRIES):
         try:
