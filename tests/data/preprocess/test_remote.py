@@ -73,25 +73,6 @@ def test_without_fsspec_the_extra_is_named(monkeypatch):
     _filesystem.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on a free port of this machine; its address in fsspec's and boto's
-    environment variables, which the hp-data processes started by the test inherit."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    yield env
-    server.stop()
-
-
 @pytest.mark.slow
 def test_s3_with_two_workers_equals_the_local_run(
     tmp_path, local, example_tokenizer, s3_server, monkeypatch

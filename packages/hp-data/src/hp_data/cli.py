@@ -20,6 +20,7 @@ from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
 from hp_data.readers import FORMATS, MAX_DOCUMENT_CHARS, discover
 from hp_data.redact import redact, redact_data
+from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
 
@@ -258,6 +259,16 @@ _unit_mb_option = click.option(
     help="Work-unit size in MB [default: 256, or a quarter of a shard].",
 )
 
+_remote_timeout_option = click.option(
+    "--remote-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=lambda ctx, param, value: _finite(param, value),
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds a remote (http(s), s3) request may wait to connect or for its next bytes; "
+    "a failed request is tried 3 times, then the run stops naming the object.",
+)
+
 
 def _num_shards_option(text: str) -> Any:
     return click.option(
@@ -275,6 +286,7 @@ def _num_shards_option(text: str) -> Any:
 @_unit_mb_option
 @_num_shards_option("Also show which shard of this many takes each unit.")
 @click.option("--input-format", type=click.Choice(FORMATS), default=None, help="As for preprocess.")
+@_remote_timeout_option
 @_json_option("the plan")
 @_quiet_option("progress")
 def plan_command(
@@ -283,11 +295,13 @@ def plan_command(
     unit_mb: float | None,
     num_shards: int,
     input_format: str | None,
+    remote_timeout: float,
     as_json: bool,
     quiet: bool,
 ) -> None:
     """Show how CORPUS is cut into work units (files, line-aligned byte ranges of JSONL,
     Parquet row groups) and which shard of --num-shards processes each, as preprocess will."""
+    set_timeout(remote_timeout)
     found = discover(list(corpus), input_format)
     planned = plan_units(found, _unit_bytes(units, unit_mb), units, num_shards)
     described = describe(planned, shard_groups(planned, num_shards))
@@ -462,6 +476,7 @@ def plan_command(
 )
 @_units_option
 @_unit_mb_option
+@_remote_timeout_option
 @click.option(
     "--ray",
     "ray_address",
@@ -517,6 +532,7 @@ def preprocess_command(
     shard_index: int | None,
     units: int | None,
     unit_mb: float | None,
+    remote_timeout: float,
     ray_address: str | None,
     ray_schedule_timeout: float | None,
     quiet: bool,
@@ -573,6 +589,7 @@ def preprocess_command(
         verify=verify,
         allow_download=allow_download,
         megatron_names=output_prefix is not None,
+        remote_timeout=remote_timeout,
     )
     out_prefix = output_prefix if out_prefix is None else out_prefix
     if ray_address is not None:

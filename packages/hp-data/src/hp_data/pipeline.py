@@ -55,6 +55,7 @@ from hp_data.readers import (
     read_chunk,
 )
 from hp_data.redact import redact_data
+from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, set_timeout
 from hp_data.shards import ShardTask
 from hp_data.tokenize import (
     TokenizerFiles,
@@ -103,6 +104,7 @@ class PreprocessOptions:
     megatron_names: bool = False  # PREFIX_{key}_document for every key, as Megatron names them
     verify: bool = False  # check the fast engine on every document, not one in VERIFY_EVERY
     max_document_chars: int | None = MAX_DOCUMENT_CHARS  # a longer text is invalid; None: any
+    remote_timeout: float = DEFAULT_TIMEOUT  # seconds a remote request may wait (remote.py)
 
 
 def output_prefixes(
@@ -140,6 +142,7 @@ class _WorkerSpec:
     fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
     max_chars: int | None = MAX_DOCUMENT_CHARS
+    remote_timeout: float = DEFAULT_TIMEOUT
 
 
 class EngineMismatch(PreprocessError):
@@ -170,6 +173,7 @@ def _init_worker(spec: _WorkerSpec, tokenizer: Any = None, recipe: FastBPE | Non
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _worker["spec"] = spec
+    set_timeout(spec.remote_timeout)
     reference = reference_engine(tokenizer or spec.tokenizer.load())
     _worker["reference"] = reference
     _worker["engine"] = reference
@@ -337,7 +341,7 @@ class _WorkDir:
                 for k in keys
                 for path in (bin_path, idx_path)
             )
-            if record["identity"] != shard.identity or not complete:
+            if record["identity"] != shard.identity or not shard.reusable or not complete:
                 break
             done += 1
         self.manifest["shards"] = self.manifest["shards"][:done]
@@ -482,6 +486,7 @@ def preprocess(
         raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
     if options.workers < 1:
         raise PreprocessError("--workers must be at least 1")
+    set_timeout(options.remote_timeout)
     found = discover(inputs, options.input_format)
     sharded = options.shard_index is not None
     if options.num_shards < 1 or (sharded and not 0 <= options.shard_index < options.num_shards):
@@ -523,6 +528,7 @@ def preprocess(
         fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
         max_chars=options.max_document_chars,
+        remote_timeout=options.remote_timeout,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
     tokenizer_hash = files.content_hash()  # read once: the config key and the summary
@@ -533,7 +539,7 @@ def preprocess(
         task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
         shards = units[task.units.start : task.units.stop]
         outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
-        done = task.finished(outputs)
+        done = task.finished(outputs) if all(s.reusable for s in shards) else None
         if done is not None:  # a finished shard is not done again
             return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
         out_prefix = task.prefix
@@ -677,6 +683,7 @@ class _Run:
         for offset, kind, why in result.invalid:
             where = location(shard, stats.lines + offset + 1)
             if not self.skip_invalid:
+                check_unchanged(shard.path, shard.pin)  # not a bad line: a changed input
                 raise PreprocessError(f"{where}: {why}")
             stats.invalid[kind] = stats.invalid.get(kind, 0) + 1
             if len(stats.invalid_examples) < INVALID_EXAMPLES:

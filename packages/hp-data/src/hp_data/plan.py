@@ -26,7 +26,7 @@ import xxhash
 from hp_data.errors import PreprocessError
 from hp_data.readers import STDIN, Shard
 from hp_data.redact import redact
-from hp_data.remote import is_url, open_corpus, open_url
+from hp_data.remote import is_url, open_pinned
 
 DEFAULT_UNIT_BYTES = 256 << 20
 MIN_UNIT_BYTES = 1 << 20
@@ -66,7 +66,7 @@ def plan_units(
 
 def _byte_ranges(shard: Shard, unit_bytes: int) -> list[Shard]:
     starts = [0]
-    with open_corpus(shard.path, "a .jsonl file") as stream:
+    with open_pinned(shard.path, shard.pin, "a .jsonl file") as stream:
         for cut in range(unit_bytes, shard.size, unit_bytes):
             stream.seek(cut - 1)
             stream.readline()  # to the first line start at or after the cut
@@ -83,11 +83,13 @@ def _row_group_runs(shard: Shard, unit_bytes: int) -> list[Shard]:
     from hp_data.readers import _require
 
     parquet = _require("pyarrow.parquet", "parquet")
-    try:
-        source = open_url(shard.path) if is_url(shard.path) else shard.path
-        metadata = parquet.ParquetFile(source).metadata
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
+    with open_pinned(shard.path, shard.pin, "a Parquet file") as stream:
+        try:
+            metadata = parquet.ParquetFile(stream if is_url(shard.path) else shard.path).metadata
+        except PreprocessError:
+            raise  # a remote read that failed (remote.py)
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
     groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
     total = max(sum(g.total_byte_size for g in groups), 1)
     units: list[Shard] = []

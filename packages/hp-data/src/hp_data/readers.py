@@ -29,7 +29,15 @@ import orjson
 
 from hp_data.errors import PreprocessError, first_line
 from hp_data.redact import redact
-from hp_data.remote import canonical_url, expand, identify, is_url, open_corpus, open_url, size_of
+from hp_data.remote import (
+    Pin,
+    canonical_url,
+    expand,
+    identify,
+    is_url,
+    open_pinned,
+    size_of,
+)
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -70,6 +78,7 @@ class Shard:
     end: int | None = None
     first_row: int = 0  # rows of a Parquet file before this part, for `file: row N`
     part_bytes: int | None = None  # input bytes this part stands for (None: `size`)
+    pin: Pin | None = None  # what the input was when planned, checked by every read
 
     @property
     def identity(self) -> list[object]:
@@ -82,6 +91,12 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return self.size if self.part_bytes is None else self.part_bytes
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a later run may reuse this unit finished: not when nothing strong tells
+        the input's changes (a server without ETag or version: `Pin.strong`)."""
+        return self.pin is None or self.pin.strong
 
 
 @dataclass
@@ -97,6 +112,7 @@ class Chunk:
     rows: dict[str, list[Any]] | None = None  # columns, for Parquet and HF datasets
     input_bytes: int = 0  # bytes of the input this chunk accounts for, for progress
     last: bool = False  # the shard's final chunk
+    pin: Pin | None = None  # the shard's, for a byte range read in a worker
 
 
 @dataclass
@@ -243,7 +259,8 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
                     "name its format with --input-format"
                 )
-            shards.append(Shard(path, fmt, *identify(path)))
+            pin = identify(path)
+            shards.append(Shard(path, fmt, pin.size, pin.number, pin=pin))
             continue
         if os.path.isdir(path):
             if input_format == "hf":
@@ -256,6 +273,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"use --input-format hf to load it with datasets.load_dataset"
                 )
             size, mtime = _tree_size(path)
+            pin = None
         else:
             fmt = input_format or _suffix_format(path)
             if input_format is not None and input_format.startswith("hf"):
@@ -273,8 +291,8 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"{path}: not a regular file (a pipe or a device has no size to split or "
                     f"resume by); give its contents on standard input as -"
                 )
-            size, mtime = stat.st_size, stat.st_mtime_ns
-        shards.append(Shard(path, fmt, size, mtime))
+            size, mtime, pin = stat.st_size, stat.st_mtime_ns, Pin.of_stat(stat)
+        shards.append(Shard(path, fmt, size, mtime, pin=pin))
     if not shards:
         raise PreprocessError("no input files given")
     return shards
@@ -319,7 +337,7 @@ def chunks(
 
 
 def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_corpus(shard.path, "a .jsonl file") as stream:
+    with open_pinned(shard.path, shard.pin, "a .jsonl file") as stream:
         size = size_of(stream)
         size = size if shard.end is None else min(shard.end, size)
         start = shard.start  # a part starts on a line start (plan.py)
@@ -327,7 +345,9 @@ def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]
             stream.seek(min(start + chunk_bytes, size))
             stream.readline()  # extend to the end of the line the cut falls in
             end = min(stream.tell(), size)
-            yield Chunk(index, shard.path, shard.format, start, end, input_bytes=end - start)
+            yield Chunk(
+                index, shard.path, shard.format, start, end, input_bytes=end - start, pin=shard.pin
+            )
             start = end
 
 
@@ -403,7 +423,7 @@ class _Counted:
 
 
 def _compressed_blocks(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_corpus(shard.path, "a compressed .jsonl file") as raw:
+    with open_pinned(shard.path, shard.pin, "a compressed .jsonl file", read_ahead=True) as raw:
         yield from _stream_blocks(index, shard, chunk_bytes, raw, shard.size)
         if shard.format == "jsonl.zst":
             problem = zstd_frames_problem(raw, size_of(raw))
@@ -464,11 +484,20 @@ def _parquet_rows(
     index: int, shard: Shard, keys: Sequence[str], keys_option: str = KEYS_OPTION
 ) -> Iterator[Chunk]:
     parquet = _require("pyarrow.parquet", "parquet")
-    source = open_url(shard.path) if is_url(shard.path) else shard.path
-    try:
-        table = parquet.ParquetFile(source)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
+    with open_pinned(shard.path, shard.pin, "a Parquet file") as stream:
+        source = stream if is_url(shard.path) else shard.path  # pyarrow's own reads, locally
+        try:
+            table = parquet.ParquetFile(source)
+        except PreprocessError:
+            raise  # a remote read that failed (remote.py)
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
+        yield from _row_batches(index, shard, table, keys, keys_option)
+
+
+def _row_batches(
+    index: int, shard: Shard, table: Any, keys: Sequence[str], keys_option: str
+) -> Iterator[Chunk]:
     names = table.schema_arrow.names
     _check_columns(shard.path, names, keys, keys_option)
     rows = max(table.metadata.num_rows, 1)
@@ -483,6 +512,8 @@ def _parquet_rows(
             try:
                 batch = next(batches, None)
                 columns = batch.to_pydict() if batch is not None else None
+            except PreprocessError:
+                raise
             except Exception as exc:  # pyarrow raises several types for a corrupt page
                 reason = " ".join(str(exc).split()) or type(exc).__name__
                 raise PreprocessError(
@@ -584,7 +615,7 @@ def read_chunk(
     if chunk.blob is not None:
         data = chunk.blob
     else:
-        with open_corpus(chunk.path, "a .jsonl file") as stream:
+        with open_pinned(chunk.path, chunk.pin, "a .jsonl file") as stream:
             stream.seek(chunk.start)
             data = stream.read(chunk.end - chunk.start)
     return _parse_lines(
@@ -736,18 +767,18 @@ def location(shard: Shard, line: int) -> str:
         return f"<stdin>:{line}"
     name = redact(shard.path)  # kept in manifests and summaries (invalid_examples)
     if shard.format.startswith("jsonl"):
-        return f"{name}:{_lines_before(shard.path, shard.start) + line}"
+        return f"{name}:{_lines_before(shard.path, shard.start, shard.pin) + line}"
     return f"{name}: row {shard.first_row + line}"
 
 
 @functools.lru_cache(maxsize=64)
-def _lines_before(path: str, offset: int) -> int:
+def _lines_before(path: str, offset: int, pin: Pin | None) -> int:
     """Lines of `path` before byte `offset` (a line start): counted only when a part that
     starts inside a file reports a line, so runs without errors never pay for it."""
     if offset == 0:
         return 0
     count = 0
-    with open_corpus(path, "a .jsonl file") as stream:
+    with open_pinned(path, pin, "a .jsonl file") as stream:
         while offset > 0:
             block = stream.read(min(offset, 16 << 20))
             if not block:
