@@ -303,7 +303,8 @@ def test_urls_and_standard_input_named_twice_are_read_once(tmp_path):
     with pytest.warns(UserWarning) as caught:
         found = discover(["memory://twice/a.jsonl", "memory:///twice/", "-", "-"])
     assert [s.path for s in found] == ["memory://twice/a.jsonl", "memory:///twice/b.jsonl", "-"]
-    assert [str(w.message) for w in caught] == [
+    # memory:// objects have no strong validator, which is warned about too (remote.py).
+    assert [str(w.message) for w in caught if "read once" in str(w.message)] == [
         "memory:///twice/: holds 1 input named before (memory:///twice/a.jsonl); "
         "read once, where first named",
         "-: named more than once; read once, where first named",
