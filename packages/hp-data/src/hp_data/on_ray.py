@@ -30,6 +30,7 @@ from hp_data.pipeline import PreprocessOptions, preprocess
 from hp_data.plan import plan_units, shard_groups
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
+from hp_data.remote import set_timeout
 from hp_data.shards import merge_shards
 from hp_data.tokenize import TokenizerFiles
 
@@ -78,6 +79,7 @@ def preprocess_on_ray(
     if not isinstance(tokenizer, TokenizerFiles):
         tokenizer = TokenizerFiles.locate(tokenizer, options.allow_download)
     tokenizer = tokenizer.absolute()
+    set_timeout(options.remote_timeout)  # the driver lists and plans remote inputs too
     found = discover(inputs, options.input_format)  # bad inputs fail here, before any task
     timeout = SCHEDULE_TIMEOUT if schedule_timeout is None else schedule_timeout
     started_here = not ray.is_initialized()
