@@ -309,3 +309,26 @@ def test_urls_and_standard_input_named_twice_are_read_once(tmp_path):
         "read once, where first named",
         "-: named more than once; read once, where first named",
     ]
+
+
+def test_urls_that_differ_in_a_secret_parameter_and_file_urls_are_told_apart_rightly(tmp_path):
+    """Two objects whose URLs differ only in a value that is redacted when shown (`?key=`) are
+    two inputs; a `file://` URL of a local file is that file, read once."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = ["memory://keys/dl?key=a", "memory://keys/dl?key=b"]
+    for url in urls:  # memory:// keeps the query in the name: two objects
+        fs.pipe(url, b'{"text": "x"}\n')
+    with pytest.warns(UserWarning) as caught:  # memory:// objects have no strong validator
+        found = discover(urls, "jsonl")
+    assert [s.path for s in found] == [url.replace("://", ":///") for url in urls]
+    assert not [w for w in caught if "read once" in str(w.message)]
+    local = tmp_path / "a.jsonl"
+    local.write_text('{"text": "x"}\n')
+    with pytest.warns(UserWarning) as caught:
+        found = discover([str(local), f"file://{local}"])
+    assert [s.path for s in found] == [str(local)]
+    assert [str(w.message) for w in caught] == [
+        f"file://{local}: holds 1 input named before ({local}); read once, where first named"
+    ]

@@ -223,9 +223,9 @@ def test_a_resumed_run_reuses_a_unit_only_when_a_strong_validator_says_it_holds(
         again = _preprocess(urls, tmp_path / "o", tokenizer, "--json")
     _same(again, tmp_path / "o", _reference(tmp_path, tokenizer, a, w, bad))
     assert json.loads(again.stdout)["resumed_shards"] == 3
-    warning = (f"Warning: {urls[1]}: no ETag, version id or content hash, only its size and "
-               "Last-Modified tell a change; a resumed run reads it again rather than reuse its "
-               "finished units")  # fmt: skip
+    warning = (f"Warning: {urls[1]}: no ETag, version id or content hash: only its size and "
+               "Last-Modified can show a change; a resumed run reads it again rather than reuse "
+               "its finished units")  # fmt: skip
     assert first.stderr.splitlines()[:-1] == again.stderr.splitlines() == [warning]
 
 
@@ -250,6 +250,17 @@ def test_shards_of_an_object_that_changed_between_them_do_not_merge(tmp_path, se
         assert _preprocess([url], out, tokenizer, *shard, 1).returncode == 0
     merged = cli("merge", out, "--shards", "--quiet", timeout=TIMEOUT)
     _refused(merged, out, f"{out}.shard-00001-of-00002.json", "made with other inputs .*")
+
+
+def test_a_split_run_refuses_an_object_nothing_strong_identifies(tmp_path, served, tokenizer):
+    """Shards of an object without ETag, rewritten at the same size between them, merged into
+    output of two versions: each machine pins only what it sees. Refused before any work."""
+    out = tmp_path / "o"
+    with fault_server(served, Faults(etag=False)) as server:
+        url = server.url("a.jsonl")
+        result = _preprocess([url], out, tokenizer, "--num-shards", 2, "--shard-index", 0)
+    _refused(result, None, url, "no ETag, version id or content hash, so the machines .*")
+    assert not list(tmp_path.glob("o*"))
 
 
 # -- S3 -------------------------------------------------------------------------------------

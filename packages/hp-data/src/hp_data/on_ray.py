@@ -26,11 +26,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hp_data.errors import PreprocessError, first_line
-from hp_data.pipeline import PreprocessOptions, preprocess
+from hp_data.pipeline import PreprocessOptions, check_shardable, preprocess
 from hp_data.plan import plan_units, shard_groups
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
-from hp_data.remote import set_timeout
+from hp_data.remote import is_url, set_timeout
 from hp_data.shards import merge_shards
 from hp_data.tokenize import TokenizerFiles
 
@@ -73,7 +73,7 @@ def preprocess_on_ray(
     if STDIN in inputs:
         raise PreprocessError("standard input (-) cannot be split over Ray tasks; give files")
     started = time.perf_counter()
-    inputs = [os.path.abspath(path) for path in inputs]
+    inputs = [path if is_url(path) else os.path.abspath(path) for path in inputs]  # s3://...
     out_prefix = os.path.abspath(out_prefix)
     # Located here (a hub name resolves in this machine's cache), with an absolute path.
     if not isinstance(tokenizer, TokenizerFiles):
@@ -81,6 +81,7 @@ def preprocess_on_ray(
     tokenizer = tokenizer.absolute()
     set_timeout(options.remote_timeout)  # the driver lists and plans remote inputs too
     found = discover(inputs, options.input_format)  # bad inputs fail here, before any task
+    check_shardable(found)
     timeout = SCHEDULE_TIMEOUT if schedule_timeout is None else schedule_timeout
     started_here = not ray.is_initialized()
     with _ray_notices(quiet=not options.show_progress):

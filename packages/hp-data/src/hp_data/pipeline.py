@@ -23,7 +23,7 @@ import shutil
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -466,6 +466,21 @@ class PreprocessSummary:
         }
 
 
+def check_shardable(found: Sequence[Shard]) -> None:
+    """Refuse inputs that a run split over machines cannot share: each machine reads and pins
+    the inputs for itself, and only a strong validator (`Pin.strong`) shows that all of them
+    read the same version of an object; else shards of two versions would merge unnoticed."""
+    if any(s.path == STDIN for s in found):
+        raise PreprocessError("standard input (-) cannot be split over shards; give files")
+    for shard in found:
+        if not shard.reusable:
+            raise PreprocessError(
+                f"{shard.path}: no ETag, version id or content hash, so the machines of a "
+                "split run cannot tell that they all read the same version of it; run it "
+                "in one piece (no --num-shards, --ray), or serve it from a store that gives ETags"
+            )
+
+
 def preprocess(
     inputs: list[str],
     out_prefix: str,
@@ -498,8 +513,8 @@ def preprocess(
         options.units is not None and options.units < 1
     ):
         raise PreprocessError("--units and --unit-mb must be positive")
-    if sharded and any(s.path == STDIN for s in found):
-        raise PreprocessError("standard input (-) cannot be split over shards; give files")
+    if sharded:
+        check_shardable(found)
     units = plan_units(found, options.unit_bytes, options.units, options.num_shards)
     files = (
         tokenizer_path

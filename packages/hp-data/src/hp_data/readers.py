@@ -35,6 +35,7 @@ from hp_data.remote import (
     expand,
     identify,
     is_url,
+    local_path,
     open_pinned,
     size_of,
 )
@@ -160,13 +161,13 @@ def _tree_size(path: str) -> tuple[int, int]:
 
 
 def _same_input(path: str) -> tuple[object, ...]:
-    """What two names of one input share: standard input; a URL as fsspec normalises it
-    (redacted, so a rotated credential names the same object); a local file or directory by
+    """What two names of one input share: standard input; a URL as fsspec normalises it; a
+    local file or directory (a `file://` URL too, `discover`) by
     device and inode, so `./a`, a symbolic link and a hard link are `a`."""
     if path == STDIN:
         return (STDIN,)
     if is_url(path):
-        return ("url", redact(canonical_url(path)))
+        return ("url", canonical_url(path))  # not redacted: `?key=a` and `?key=b` differ
     stat = os.stat(path)
     return ("local", stat.st_dev, stat.st_ino)
 
@@ -196,7 +197,9 @@ def _read_once(named: Sequence[tuple[str, list[str]]]) -> list[str]:
             shown = ", ".join(path for path, _, _ in again[:3]) + (", ..." if again[3:] else "")
             inputs = "input" if len(again) == 1 else "inputs"
             what = f"holds {len(again)} {inputs} named before ({shown})"
-        warnings.warn(f"{spec}: {what}; read once, where first named", stacklevel=3)
+        # Redacted here, each URL on its own: the line's redaction would take the ':' after a
+        # secret query value for part of the value.
+        warnings.warn(f"{redact(spec)}: {redact(what)}; read once, where first named", stacklevel=3)
     return [path for path, _ in first.values()]
 
 
@@ -210,9 +213,10 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
     if input_format is not None and input_format not in FORMATS:
         raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
     named: list[tuple[str, list[str]]] = []  # each input named, with the paths it stands for
-    for spec in specs:
+    for name in specs:
+        spec = local_path(name)
         paths: list[str] = []
-        named.append((spec, paths))
+        named.append((name, paths))
         if is_url(spec):
             found = expand(spec, _corpus_format)
             paths.extend(url for url in found if url == spec or not url.endswith(HP_METADATA))

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import xxhash
 
@@ -56,6 +57,15 @@ T = TypeVar("T")
 def is_url(path: str) -> bool:
     """A path with a protocol (`s3://...`), read through fsspec."""
     return "://" in path
+
+
+def local_path(spec: str) -> str:
+    """`spec`, a `file://` URL of this machine as the plain path it names (so that it is
+    pinned, identified and read once as a local file is); any other spec as it is."""
+    if not spec.startswith("file://"):
+        return spec
+    parts = urlsplit(spec)
+    return unquote(parts.path) if parts.netloc in ("", "localhost") and parts.path else spec
 
 
 def set_timeout(seconds: float) -> None:
@@ -243,9 +253,9 @@ def identify(url: str) -> Pin:
     pin = Pin.of_info(info)
     if not pin.strong:
         names = [f"a weak {key}" if value.startswith("W/") else key for key, value in pin.weak]
-        by = f"its size and {', '.join(names)}" if names else "its size alone"
+        by = f"its size and {', '.join(names)}" if names else "its size"
         warnings.warn(
-            f"{url}: no ETag, version id or content hash, only {by} tell a change; "
+            f"{url}: no ETag, version id or content hash: only {by} can show a change; "
             "a resumed run reads it again rather than reuse its finished units",
             stacklevel=2,
         )
