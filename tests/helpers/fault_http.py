@@ -37,6 +37,7 @@ class Faults:
     stall_seconds: float = 30.0
     stall_all: bool = False  # every request, HEAD too
     truncate_on: set[int] = field(default_factory=set)  # half the body, then close
+    trickle_on: set[int] = field(default_factory=set)  # the body a byte every 0.1 s
     status_on: dict[int, int] = field(default_factory=dict)  # answer this status instead
     down_from: int | None = None  # from this GET on, the server is gone (connections refused)
     # Called with (GET number or 0 for HEAD, method, path) before each answer: change files.
@@ -131,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
                 data, status = data[start:end], 206
         truncate = number in faults.truncate_on
-        self._send(status, data, headers, body, truncate)
+        self._send(status, data, headers, body, truncate, number in faults.trickle_on)
 
     def _relay(self, body: bool, truncate: bool) -> None:
         connection = http.client.HTTPConnection(*self.server.upstream, timeout=30)
@@ -151,7 +152,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, b"", headers or {}, True)
 
     def _send(
-        self, status: int, data: bytes, headers: dict[str, str], body: bool, truncate: bool = False
+        self,
+        status: int,
+        data: bytes,
+        headers: dict[str, str],
+        body: bool,
+        truncate: bool = False,
+        trickle: bool = False,
     ) -> None:
         self.send_response(status)
         for name, value in {"Content-Length": str(len(data)), **headers}.items():
@@ -159,7 +166,13 @@ class _Handler(BaseHTTPRequestHandler):
         if truncate:
             self.send_header("Connection", "close")
         self.end_headers()
-        if body:
+        if body and trickle:  # never a stall long enough for a socket timeout
+            for at in range(len(data)):
+                if self.server.stopping.wait(0.1):
+                    break
+                self.wfile.write(data[at : at + 1])
+                self.wfile.flush()
+        elif body:
             self.wfile.write(data[: len(data) // 2] if truncate else data)
         if truncate:
             self.close_connection = True

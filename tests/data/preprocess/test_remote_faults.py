@@ -145,11 +145,23 @@ def test_every_format_over_http_with_passing_faults_is_the_local_run(tmp_path, s
     assert len({r for r in gets if gets.count(r) > 1}) >= 3  # the three faults, asked again
 
 
+def test_a_server_that_trickles_bytes_ends_in_one_line(tmp_path, served, tokenizer):
+    """A byte every 0.1 s never trips a socket timeout (the reviewer's run went on for ever):
+    a whole http(s) request has 10 timeouts."""
+    with fault_server(served, Faults(trickle_on=FROM_4TH)) as server:
+        url = server.url("a.jsonl")
+        result = _preprocess([url], tmp_path / "o", tokenizer, timeout=0.2)
+    pattern = (
+        r"cannot read bytes \d+-\d+: no answer within 0.2 s \(--remote-timeout; .* 2 s in all\)"
+    )
+    _refused(result, tmp_path / "o", url, pattern + ", 3 tries")
+
+
 @pytest.mark.parametrize(
     "faults, pattern",
     [
         (Faults(stall_on=FROM_4TH), r"cannot read bytes \d+-\d+: no answer within 0.5 s "
-                                    r"\(--remote-timeout\), 3 tries"),
+                                    r"\(--remote-timeout; .* 5 s in all\), 3 tries"),
         (Faults(truncate_on=FROM_4TH), r"cannot read bytes \d+-\d+: Response payload is not "
                                        r"completed.*, 3 tries"),
         (Faults(status_on=dict.fromkeys(FROM_4TH, 404)), r"cannot read bytes \d+-\d+: no such "
@@ -317,7 +329,7 @@ def test_an_s3_glob_reads_a_matching_directory_as_the_local_glob_does(
         (Faults(down_from=3), r"cannot read( bytes \d+-\d+)?: cannot reach the server, 3 tries "
                               r"\(.+\)"),
         (Faults(stall_on=set(range(3, 10_000))), r"cannot read bytes \d+-\d+: no answer within "
-                                                 r"0.5 s \(--remote-timeout\), 3 tries"),
+                                                 r"0.5 s \(--remote-timeout; .*\), 3 tries"),
     ],
     ids=["replaced", "goes-down", "stalls"],
 )  # fmt: skip

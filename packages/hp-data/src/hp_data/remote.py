@@ -12,9 +12,10 @@ which checks the pin as it opens and as it closes, so that an input replaced or 
 a run stops the run ("changed during the run; rerun") instead of giving output of two versions.
 
 Every remote request has `set_timeout` seconds to connect and between bytes (http(s) and s3;
-other filesystems keep their own), and one that fails for a passing reason (a timeout, a broken
-connection, a 5xx answer, a short body) is tried again, `TRIES` times in all with a backoff;
-then the run stops with one line naming the object and the bytes it was reading.
+other filesystems keep their own), an http(s) one `REQUEST_TIMEOUTS` times that in all; one
+that fails for a passing reason (a timeout, a broken connection, a 5xx answer, a short body) is
+tried again, `TRIES` times in all with a backoff; then the run stops with one line naming the
+object and the bytes it was reading.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import xxhash
 from hp_data.errors import PreprocessError, open_input
 
 DEFAULT_TIMEOUT = 60.0  # seconds, --remote-timeout
+REQUEST_TIMEOUTS = 10  # an http(s) request ends after this many timeouts, however it goes
 TRIES = 3  # of each remote request, with BACKOFF * 2**n seconds between them
 BACKOFF = 0.25
 _LINE_BLOCK = 64 << 10  # bytes read at a time to find a line's end
@@ -163,7 +165,11 @@ def _options(protocol: str) -> dict[str, Any]:
     if protocol in ("http", "https"):
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=_timeout, sock_read=_timeout)
+        # The socket timeouts end a stall; `total` ends a server that trickles bytes, which
+        # they never would (a read is at most a chunk, 1 MiB by default).
+        timeout = aiohttp.ClientTimeout(
+            total=REQUEST_TIMEOUTS * _timeout, sock_connect=_timeout, sock_read=_timeout
+        )
         return {"client_kwargs": {**configured.get("client_kwargs", {}), "timeout": timeout}}
     if protocol in ("s3", "s3a"):
         config = {"connect_timeout": _timeout, "read_timeout": _timeout,
@@ -467,7 +473,11 @@ def _describe(exc: BaseException) -> str:
     cause = _cause(exc)
     reason = " ".join(str(cause).split())[:300] or type(cause).__name__
     if _timed_out(exc):
-        return f"no answer within {_timeout:g} s (--remote-timeout), {TRIES} tries"
+        whole = REQUEST_TIMEOUTS * _timeout
+        return (
+            f"no answer within {_timeout:g} s (--remote-timeout; an http(s) request may take "
+            f"{whole:g} s in all), {TRIES} tries"
+        )
     if _unreachable(exc):
         return f"cannot reach the server, {TRIES} tries ({reason})"
     if isinstance(cause, ValueError) and "range requests" in reason:
