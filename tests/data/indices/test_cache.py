@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hp_data import IndexedDatasetBuilder
-from hp_data.cache import fingerprint, load_or_build
+from hp_data.cache import cache_key, load_or_build
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
@@ -49,7 +49,7 @@ def test_files_are_named_like_megatrons_and_described(tmp_path):
         ("document_index", "sample_index"),
         lambda: {"document_index": np.arange(3), "sample_index": np.zeros((2, 2), np.int64)},
     )
-    key = fingerprint({"seed": 1})
+    key = cache_key({"seed": 1})
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
     assert names == [
         f"{key}-GPTDataset-valid-description.json",
@@ -72,7 +72,7 @@ def test_files_are_named_like_megatrons_and_described(tmp_path):
 
 
 def test_half_written_sets_are_never_loaded(tmp_path):
-    key = fingerprint({"x": 1})
+    key = cache_key({"x": 1})
     # A crash after the arrays but before the description: the set must be rebuilt.
     np.save(tmp_path / f"{key}-T-train-values.npy", np.array([666]))
     arrays, report = load_or_build(
@@ -170,7 +170,7 @@ def test_a_set_written_before_the_narrow_dtypes_is_rebuilt_not_loaded(tmp_path):
     # The same set as an older hp wrote it, in a cache of its own: int64 arrays under the key
     # of a description without dtypes.
     old = {k: v for k, v in recorded.items() if k not in ("key", "class", "arrays", "dtypes")}
-    old_key = fingerprint(old)
+    old_key = cache_key(old)
     old_cache = tmp_path / "old"
     old_cache.mkdir()
     for name in names:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hp_data import IndexedDataset, IndexedDatasetBuilder, merge_datasets
 from hp_data.format.metadata import read_metadata
+from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_runtime.train.config import ConfigError, load_config
 from hp_runtime.train.data import batch_plan, build_datasets, sample_counts
 from hp_runtime.train.launch import TrainError
@@ -242,3 +243,53 @@ def test_hp_train_refuses_a_small_vocab_in_one_line(tmp_path):
         f"hp-train: error: model.vocab_size = {VOCAB} but {prefix} holds token id {VOCAB}: "
         f"set model.vocab_size to at least {VOCAB + 1}"
     ]
+
+
+# -- a tokenized file's split: the shares given, else the whole file ---------------------------
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, example_corpus, example_tokenizer):
+    """300 lines of the example corpus, and hp-data's own preprocess of them (the reference)."""
+    root = tmp_path_factory.mktemp("small-corpus")
+    corpus = root / "docs.jsonl"
+    corpus.write_text("".join(example_corpus.read_text().splitlines(True)[:300]))
+    run_preprocess([corpus], root / "reference", example_tokenizer, append_eod=True)
+    return corpus, str(root / "reference")
+
+
+@pytest.mark.parametrize("split", [None, "969,30,1", "80,20,0"])
+def test_a_tokenized_file_is_split_by_the_shares_given(
+    split, runtime, tmp_path, small_corpus, example_tokenizer
+):
+    """Against GPTDatasets built directly over those shares (unset: the whole file) from
+    hp-data's preprocess. "969,30,1" is Megatron's default and must not read as unset."""
+    corpus, prefix = small_corpus
+    given = [] if split is None else [f"data.split={split}"]
+    config = _config(
+        "data.type=json_file",
+        f"data.path={corpus}",
+        f"data.tokenizer={example_tokenizer}",
+        f"data.cache_dir={corpus.parent / 'cache'}",  # tokenized once for all three
+        "train.steps=3",
+        f"train.eval_interval={0 if split is None else 3}",
+        "train.eval_iters=2",
+        "model.vocab_size=8192",
+        *given,
+    )
+    built = _build(config, runtime, tmp_path)
+    shares = split or "1,0,0"
+    for name, dataset in (("train", built.train), ("valid", built.valid)):
+        if dataset is None:
+            assert split is None and name == "valid"
+            continue
+        reference = GPTDataset(
+            prefix,
+            name,
+            len(dataset),
+            GPTDatasetConfig(seq_length=16, split=shares, cache_dir=str(tmp_path / "ref")),
+        )
+        assert len(dataset) == len(reference) > 0
+        for i in range(len(dataset)):
+            np.testing.assert_array_equal(dataset[i]["tokens"], reference[i]["tokens"])
+        assert built.fingerprint[name]["split_shares"] == shares

@@ -15,7 +15,8 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,19 @@ from hp_data.redact import redact_data
 _warned: set[str] = set()
 
 
-def fingerprint(description: dict[str, Any]) -> str:
+def cache_key(description: dict[str, Any]) -> str:
     """The cache key: xxh3-128 of the description's canonical JSON."""
     canonical = json.dumps(description, sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+@contextmanager
+def key_lock(base: str) -> Iterator[None]:
+    """Held while one key is built: builders of the same key, in any process, take turns,
+    and the later ones find what the first committed."""
+    with open(f"{base}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _writable(directory: str) -> bool:
@@ -113,15 +123,14 @@ def load_or_build(
     that `check` (cheap relations between the arrays) finds wrong, are rebuilt.
     """
     directory = resolve_cache_dir(directory)
-    key = fingerprint(description)
+    key = cache_key(description)
     base = os.path.join(directory, f"{key}-{class_name}-{split}")
     paths = {name: f"{base}-{name}.npy" for name in names}
     marker = f"{base}-description.json"
     built_seconds = None
     loaded = _load(paths, marker, check)
     if loaded is None:
-        with open(f"{base}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this key
+        with key_lock(base):  # another process may be building this key
             loaded = _load(paths, marker, check)
             if loaded is None:
                 start = time.perf_counter()

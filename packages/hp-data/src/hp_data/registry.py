@@ -9,24 +9,19 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from hp_data.blend import build_split
-from hp_data.cache import resolve_cache_dir
+from hp_data.blend import BlendableDataset, build_split
+from hp_data.cache import cache_key, key_lock, resolve_cache_dir
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
-from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.gpt import GPTDataset, GPTDatasetConfig, corpus_fingerprint
 from hp_data.index import SPLITS, parse_split
-from hp_data.pipeline import PreprocessOptions, default_workers, preprocess, refuse_reentry
-from hp_data.readers import discover
-from hp_data.tokenize import TokenizerFiles
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,7 @@ class DatasetConfig:
     path: str | None = None  # prefix or blend spec; JSONL file; HF dataset directory
     tokenizer: str | None = None  # json_file and hf_datasets
     split: str = "train"  # which split to return
-    split_shares: str = "969,30,1"  # megatron; tokenized files default to "1,0,0"
+    split_shares: str | None = None  # train,valid,test shares; None: the type's default
     num_samples: int | None = None  # None: one epoch (dummy: 10,000)
     seed: int = 1234
     vocab_size: int = 32000  # dummy
@@ -76,11 +71,11 @@ class DummyDataset:
         }
 
 
-def _gpt_config(config: DatasetConfig, shares: str, eod: int | None) -> GPTDatasetConfig:
+def _gpt_config(config: DatasetConfig, eod: int | None) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         seq_length=config.seq_length,
         seed=config.seed,
-        split=shares,
+        split=split_shares(config),  # type: ignore[arg-type]
         eod_token=eod,
         eod_mask_loss=config.eod_mask_loss,
         reset_position_ids=config.reset_position_ids,
@@ -104,21 +99,30 @@ def _require_path(config: DatasetConfig, *, tokenizer: bool = False) -> str:
 
 
 def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, int]:
-    """Tokenize `config.path` once into the cache (under a lock); the prefix and EOD id."""
+    """Tokenize `config.path` once into the index cache (under its key's lock); the prefix
+    and EOD id."""
+    # Imported here: the pipeline (tokenizers, worker pools) is for these two types only.
+    from hp_data.pipeline import PreprocessOptions, default_workers, preprocess, refuse_reentry
+    from hp_data.readers import discover
+    from hp_data.tokenize import TokenizerFiles
+
     path = _require_path(config, tokenizer=True)
     if not os.path.exists(path):
         raise HpDataError(f"{path}: no such file or directory")
     shards = discover([path], input_format)
     files = TokenizerFiles.locate(config.tokenizer)  # type: ignore[arg-type]
-    key = xxhash.xxh3_128_hexdigest(
-        repr(([s.identity for s in shards], files.content_hash(), config.text_key)).encode()
+    key = cache_key(
+        {
+            "inputs": [s.identity for s in shards],
+            "tokenizer": files.content_hash(),
+            "text_key": config.text_key,
+        }
     )
     directory = os.path.join(resolve_cache_dir(config.cache_dir), "tokenized")
     os.makedirs(directory, exist_ok=True)
     prefix = os.path.join(directory, key)
     refuse_reentry()  # before the lock: the parent holds it while its workers start
-    with open(prefix + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with key_lock(prefix):
         recover(prefix)
         if not os.path.exists(prefix + ".idx"):
             preprocess(
@@ -144,38 +148,96 @@ def _dummy(config: DatasetConfig) -> DummyDataset:
 
 
 def _packed(config: DatasetConfig, input_format: str | None) -> GPTDataset:
-    """A tokenized corpus packed into samples; a file trains whole unless shares are given
-    (Megatron's default split is for prefixes)."""
+    """A tokenized corpus packed into samples."""
     prefix, eod = _tokenized(config, input_format)
-    shares = config.split_shares if config.split_shares != "969,30,1" else "1,0,0"
-    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, shares, eod))
+    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, eod))
 
 
 def _megatron(config: DatasetConfig) -> Any:
     spec = _require_path(config)
-    if parse_split(config.split_shares)[_split_of(config)] == 0:
-        raise HpDataError(f"split {config.split!r} has a zero share in {config.split_shares!r}")
-    gpt_config = _gpt_config(config, config.split_shares, config.eod_token)
+    if not has_split(config):
+        raise HpDataError(f"split {config.split!r} has a zero share in {split_shares(config)!r}")
+    gpt_config = _gpt_config(config, config.eod_token)
     return build_split(spec, gpt_config, config.split, config.num_samples)
 
 
-DATASET_REGISTRY: dict[str, Callable[[DatasetConfig], Any]] = {
-    "dummy": _dummy,
-    "hf_datasets": lambda config: _packed(config, config.input_format),
-    "json_file": lambda config: _packed(config, None),
-    "megatron": _megatron,
+@dataclass(frozen=True)
+class DatasetType:
+    """What hp-data knows of one dataset type: how to build it, what it needs, how it splits."""
+
+    build: Callable[[DatasetConfig], Any]
+    needs_path: bool = True
+    needs_tokenizer: bool = False  # tokenized by hp-data on first use (into the cache)
+    default_shares: str | None = "969,30,1"  # Megatron's; None: no splits (any split is there)
+
+
+DATASET_REGISTRY: dict[str, DatasetType] = {
+    "dummy": DatasetType(_dummy, needs_path=False, default_shares=None),
+    # A file trains whole unless shares are given: Megatron's default split is for prefixes.
+    "hf_datasets": DatasetType(
+        lambda config: _packed(config, config.input_format),
+        needs_tokenizer=True,
+        default_shares="1,0,0",
+    ),
+    "json_file": DatasetType(
+        lambda config: _packed(config, None), needs_tokenizer=True, default_shares="1,0,0"
+    ),
+    "megatron": DatasetType(_megatron),
 }
+
+
+def dataset_type(name: str) -> DatasetType:
+    """The type called `name`; an unknown one lists the valid ones."""
+    try:
+        return DATASET_REGISTRY[name]
+    except KeyError:
+        raise HpDataError(
+            f"unknown dataset type {name!r}; choose one of {', '.join(DATASET_REGISTRY)}"
+        ) from None
+
+
+def split_shares(config: DatasetConfig) -> str | None:
+    """The train,valid,test shares `config.path` is divided by: the given ones, else its
+    type's default; None for a type without splits."""
+    if dataset_type(config.type).default_shares is None:
+        return None
+    return config.split_shares or dataset_type(config.type).default_shares
+
+
+def has_split(config: DatasetConfig, split: str | None = None) -> bool:
+    """Whether `split` (default: `config.split`) has a share of the data to draw from."""
+    shares = split_shares(config)
+    return shares is None or parse_split(shares)[SPLITS.index(split or config.split)] > 0
+
+
+def dataset_identity(dataset: Any, config: DatasetConfig) -> dict[str, Any]:
+    """What identifies the samples of `dataset` (built from `config`), whatever their number:
+    each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights, seed,
+    length, split. A resume compares it; the index cache key (which also covers the sample
+    count) is kept under `index_key` for reference."""
+    out: dict[str, Any] = {
+        "type": config.type,
+        "seq_length": config.seq_length,
+        "seed": config.seed,
+        "split": config.split,
+        "split_shares": split_shares(config),
+        "vocab_size": config.vocab_size,
+    }
+    parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
+    corpora = [corpus_fingerprint(p.dataset) for p in parts if isinstance(p, GPTDataset)]
+    if corpora:
+        out["corpora"] = corpora
+    if isinstance(dataset, BlendableDataset):
+        out["weights"] = list(dataset.weights)
+    if isinstance(dataset, GPTDataset | BlendableDataset):
+        out["index_key"] = dataset.cache_report["key"]
+    return out
 
 
 def build_dataset(config: DatasetConfig) -> Any:
     """The dataset `config` describes; an unknown type lists the valid ones."""
-    try:
-        factory = DATASET_REGISTRY[config.type]
-    except KeyError:
-        raise HpDataError(
-            f"unknown dataset type {config.type!r}; choose one of {', '.join(DATASET_REGISTRY)}"
-        ) from None
+    kind = dataset_type(config.type)
     _split_of(config)
     if not 0 <= config.seed < 2**32:
         raise HpDataError(f"seed {config.seed}: give a seed from 0 to 2**32 - 1")
-    return factory(config)
+    return kind.build(config)

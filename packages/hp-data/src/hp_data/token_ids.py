@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hp_data.cache import fingerprint, resolve_cache_dir
+from hp_data.cache import cache_key, resolve_cache_dir
 from hp_data.format.header import drop_pages
 from hp_data.format.metadata import read_metadata
 from hp_data.format.reader import IndexedDataset
@@ -83,7 +83,7 @@ def token_ids(prefix: str, cache_dir: str | None, vocab_size: int | None = None)
         if vocab_size is not None and dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
             return TokenIds(int(np.iinfo(dtype).max), 0, "dtype", metadata)
         info = os.stat(dataset.bin_path)
-        key = fingerprint(
+        key = cache_key(
             {
                 "corpus": corpus_fingerprint(dataset),
                 "bin": os.path.realpath(dataset.bin_path),

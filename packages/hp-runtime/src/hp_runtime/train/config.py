@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from hp_data.redact import redact
+from hp_data.registry import DATASET_REGISTRY, dataset_type
 
 from hp_runtime.model import PRESETS, ModelConfig
 
@@ -31,11 +32,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    type: Literal["dummy", "json_file", "hf_datasets", "megatron"]
+    type: Literal[tuple(DATASET_REGISTRY)]  # hp-data's dataset types
     path: str | None = None  # prefix, Megatron blend "0.3 /a 0.7 /b", JSONL file, HF dir
     tokenizer: str | None = None  # tokenizer.json (json_file, hf_datasets)
     seq_length: int
-    split: str = "969,30,1"  # train,valid,test shares of `path`
+    split: str | None = None  # train,valid,test shares of `path`; default: the type's
     valid_path: str | None = None  # a separate validation corpus, used whole
     seed: int = 1234  # shuffles the samples (Megatron's --seed for the data)
     cache_dir: str | None = None  # index cache; default RUN_DIR/index-cache
@@ -583,12 +584,12 @@ def check_paths(config: Config) -> None:
     data = config.data
     if data.cache_dir is not None:
         _writable_dir("data.cache_dir", data.cache_dir)
-    if data.type != "dummy":
+    if dataset_type(data.type).needs_path:
         for key in ("data.path", "data.valid_path"):
             spec = getattr(data, key.split(".")[1])
             if spec is not None:
                 _need_corpus(key, config, spec)
-    if data.type in ("json_file", "hf_datasets") and data.tokenizer is not None:
+    if dataset_type(data.type).needs_tokenizer and data.tokenizer is not None:
         from hp_data.errors import HpDataError
         from hp_data.tokenize import TokenizerFiles
 
@@ -609,9 +610,10 @@ def check(config: Config) -> None:
     """Relations between keys that no single range expresses (each key's own range is checked
     as it is read, from `RANGES`)."""
     data = config.data
-    if data.type != "dummy" and not data.path:
+    kind = dataset_type(data.type)
+    if kind.needs_path and not data.path:
         raise ConfigError(f"data.path: required for data.type = {data.type!r}")
-    if data.type in ("json_file", "hf_datasets") and not data.tokenizer:
+    if kind.needs_tokenizer and not data.tokenizer:
         raise ConfigError(f"data.tokenizer: required for data.type = {data.type!r}")
     if data.seq_length > config.model.max_seq_len:
         raise ConfigError(
@@ -639,7 +641,8 @@ def check(config: Config) -> None:
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
             f"is more than hp-train's {MAX_PARAMS:.3g}"
         )
-    _check_split(data.split)
+    if data.split is not None:
+        _check_split(data.split)
     if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
         raise ConfigError(
             "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "

@@ -23,9 +23,13 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
-from hp_data.gpt import corpus_fingerprint
-from hp_data.index import SPLITS, parse_split
-from hp_data.registry import DatasetConfig, build_dataset
+from hp_data.registry import (
+    DatasetConfig,
+    build_dataset,
+    dataset_identity,
+    dataset_type,
+    has_split,
+)
 from hp_data.sampler import PretrainingSampler
 from hp_data.token_ids import token_ids
 from hp_data.tokenize import TokenizerFiles, vocab_size
@@ -111,36 +115,6 @@ def _registry_config(config: Config, split: str, num_samples: int, run_dir: str)
     )
 
 
-def _has_valid_split(config: Config) -> bool:
-    d = config.data
-    if d.valid_path or d.type == "dummy":
-        return True
-    shares = d.split
-    if d.type in ("json_file", "hf_datasets") and shares == "969,30,1":
-        shares = "1,0,0"  # the registry trains a tokenized file whole unless shares are given
-    return parse_split(shares)[SPLITS.index("valid")] > 0
-
-
-def fingerprint(dataset: Any, registry: DatasetConfig) -> dict[str, Any]:
-    """What identifies the samples, whatever their number: each corpus's identity (dtype,
-    sequence lengths' hash, .bin size), blend weights, seed, length, split. A resume compares
-    it; the index cache key (which also covers the sample count) is kept for reference."""
-    out: dict[str, Any] = {
-        name: getattr(registry, name)
-        for name in ("type", "seq_length", "seed", "split", "split_shares", "vocab_size")
-    }
-    parts = getattr(dataset, "datasets", [dataset])
-    corpora = [corpus_fingerprint(p.dataset) for p in parts if hasattr(p, "dataset")]
-    if corpora:
-        out["corpora"] = corpora
-    if hasattr(dataset, "weights"):
-        out["weights"] = list(dataset.weights)
-    report = getattr(dataset, "cache_report", None)
-    if report is not None:
-        out["index_key"] = report["key"]
-    return out
-
-
 def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether two fingerprints describe the same samples (the index keys may differ: they
     also cover the sample count, which a longer run changes)."""
@@ -219,7 +193,7 @@ def check_data(config: Config, configs: dict[str, DatasetConfig]) -> dict[str, D
     d, limit = config.data, config.model.vocab_size
     if d.type == "dummy":  # its generator draws ids from [0, model.vocab_size): nothing to check
         return configs
-    if d.type in ("json_file", "hf_datasets"):  # tokenized by the run: the tokenizer's ids
+    if dataset_type(d.type).needs_tokenizer:  # tokenized by the run: the tokenizer's ids
         count = vocab_size(TokenizerFiles.locate(d.tokenizer).load())  # type: ignore[arg-type]
         if count > limit:
             raise _too_small(config, f"the tokenizer {d.tokenizer}", count - 1, count)
@@ -257,14 +231,14 @@ def build_datasets(
     """The train and validation datasets on ranks that `reads`; local rank 0 builds the index
     caches first (even when it reads nothing), the others load them after."""
     train_samples, valid_samples = sample_counts(config, plan)
-    if valid_samples and not _has_valid_split(config):
-        raise ConfigError(
-            f"train.eval_interval={config.train.eval_interval} needs validation data: give "
-            f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
-        )
     configs = {"train": _registry_config(config, "train", train_samples, run_dir)}
     if valid_samples:
         configs["valid"] = _registry_config(config, "valid", valid_samples, run_dir)
+        if not has_split(configs["valid"]):
+            raise ConfigError(
+                f"train.eval_interval={config.train.eval_interval} needs validation data: give "
+                f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
+            )
     built: dict[str, Any] = {}
     start = time.perf_counter()
 
@@ -286,7 +260,7 @@ def build_datasets(
                 failure = TrainError(f"data: {exc}")
         agree(failure, runtime)
     seconds = time.perf_counter() - start
-    keys = {split: fingerprint(built[split], configs[split]) for split in built}
+    keys = {split: dataset_identity(built[split], configs[split]) for split in built}
     return Datasets(built.get("train"), built.get("valid"), keys, seconds)
 
 
