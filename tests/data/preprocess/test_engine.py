@@ -251,6 +251,18 @@ def test_refused_shapes(example_tokenizer):
             },
             "backreference",
         ),
+        (
+            {
+                "pre_tokenizer": {
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Split", "pattern": {"Regex": r"\p{L}*"}, "behavior": "Isolated"},
+                        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+                    ],
+                }
+            },
+            "empty string",
+        ),
     ]:
         with pytest.raises(NotConvertible, match=why):
             FastBPE.from_description({**described, **change})

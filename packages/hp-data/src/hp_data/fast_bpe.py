@@ -255,7 +255,24 @@ def _pattern(pre_tokenizer: dict[str, Any] | None) -> str:
         raise NotConvertible("its Split is not an isolating regex")
     if re.search(r"\\[1-9]|\\k<", regex):  # _keeping_gaps repeats it: numbers would shift
         raise NotConvertible("its Split regex uses a backreference")
+    if regex not in COVERING_PATTERNS and _matches_empty(regex):
+        raise NotConvertible("its Split regex can match the empty string")
     return regex if regex in COVERING_PATTERNS else _keeping_gaps(regex)
+
+
+def _matches_empty(pattern: str) -> bool:
+    """Whether `pattern` matches the empty string at the start or end of a text, or between
+    two characters of a few kinds: there an empty match wins over `_keeping_gaps`' gap, and
+    tiktoken would drop what `tokenizers` keeps. (A pattern that tiktoken's regex engine
+    cannot parse is left to the checks against `tokenizers`.)"""
+    import regex as third_party  # tiktoken's own dependency; \p{L} needs it
+
+    try:
+        compiled = third_party.compile(pattern)
+    except third_party.error:
+        return False
+    texts = ("", "a", " ", "1", "\n", "!", "é", "中", "a b", "a1!\n é")
+    return any(m.start() == m.end() for text in texts for m in compiled.finditer(text))
 
 
 def _keeping_gaps(regex: str) -> str:
