@@ -24,3 +24,6 @@ class ParallelOptions:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2
     compile: bool = False  # torch.compile each block
+    # FSDP frees each block's gathered parameters after its forward ("always") or keeps them
+    # for the backward ("never": one all-gather a step instead of two, more memory).
+    fsdp_reshard_after_forward: Literal["always", "never"] = "always"

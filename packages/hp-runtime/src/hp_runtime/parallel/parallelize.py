@@ -38,7 +38,8 @@ def parallelize(
     if dims.dp_size > 1:
         hsdp = dims.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, mesh.device_type, param_dtype=param_dtype)
+        reshard = options.fsdp_reshard_after_forward == "always"
+        apply_fsdp(model, dp_mesh, mesh.device_type, reshard, param_dtype)
     return model
 
 
