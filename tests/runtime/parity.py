@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor.parallel
 import torch.nn.functional as F
-from hp_runtime.model import canonical_name, preset
-from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble
+from hp_runtime.model import preset
+from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
 from hp_runtime.parallel.pp import pipeline_step
 
 STEPS = 10
@@ -48,8 +48,8 @@ def train(
         pp_microbatches=microbatches,
         pp_virtual_stages=pipeline.get("virtual_stages", 1),
         loss_parallel=pipeline.get("loss_parallel", False),
-        activation_checkpointing=pipeline.get("ac"),
-        compile_blocks=pipeline.get("compile", False),
+        activation_checkpointing=pipeline.get("ac", "none"),
+        compile=pipeline.get("compile", False),
     )
 
     def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

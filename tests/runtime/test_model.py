@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hp_runtime.model import PRESETS, Transformer, init_weights, preset
+from hp_runtime.model import PRESETS, Transformer, preset
 from hp_runtime.model.config import ModelConfig
-from hp_runtime.parallel import ParallelDims
+from hp_runtime.parallel import ParallelDims, init_weights
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

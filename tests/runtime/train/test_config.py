@@ -77,6 +77,20 @@ def test_resolved_config_reads_back_to_the_same_config():
 
 
 @pytest.mark.parametrize(
+    ("toml", "got"),
+    [('"sometimes"', "'sometimes'"), ("true", "True (bool)"), ("1", "1 (int)"), ('""', "''")],
+)
+def test_fsdp_reshard_after_forward_takes_always_or_never(tmp_path, toml, got):
+    key = "parallel.fsdp_reshard_after_forward"
+    assert load_config(None, BASE).parallel.fsdp_reshard_after_forward == "always"
+    assert load_config(None, [*BASE, f"{key}=never"]).parallel.fsdp_reshard_after_forward == "never"
+    path = tmp_path / "run.toml"
+    path.write_text(f"[parallel]\nfsdp_reshard_after_forward = {toml}\n")
+    assert _error(path=str(path)) == f"{key}: expected one of 'always', 'never', got {got}"
+    assert _error(f"{key}=sometimes").endswith("got 'sometimes'")  # the command line alike
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["optim.lr_warmup=5"], "optim.lr_warmup: unknown key; did you mean optim.warmup_steps?"),

@@ -26,9 +26,7 @@ def _logits(rank: int, world: int, reduce_dtype: str | None, seed: int) -> np.nd
         "tiny", vocab_size=512, dim=256, ffn_hidden=688, n_heads=8, n_kv_heads=4, n_layers=4
     )
     dims = ParallelDims(tp=world)
-    options = ParallelOptions(
-        tp_reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None
-    )
+    options = ParallelOptions(tp_reduce_dtype=reduce_dtype)
     assembly = assemble(config, dims, torch.device("cpu"), seed=seed, options=options)
     tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=world > 1):

@@ -143,6 +143,10 @@ class Transformer(nn.Module):
         ):
             self.output.weight = self.tok_embeddings.weight
 
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables where they are: `to_empty` leaves them uninitialised."""
+        self.rotary = rotary_tables(self.config, device=self.rotary.device)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -159,47 +163,16 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name in the plain model, without activation-checkpoint or compile
-    wrappers, so seeds and comparisons see the same names in every layout."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter from its own generator, seeded by `seed` and its name.
-
-    Each rank draws the *full* tensor and keeps its local shard, so the full parameters are
-    the same whatever the layout (FSDP, TP, PP or one process), which is what makes the
-    parallel runs comparable with a single process. Buffers are recomputed.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    config: ModelConfig = model.config  # type: ignore[assignment]
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # materialising on a device unties them
-    for wrapped_name, param in model.named_parameters():
-        name = canonical_name(wrapped_name)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if config.tie_embeddings and name == "output.weight":
-            # A pipeline's last stage holds the tied head without the embedding: same tensor.
-            generator.manual_seed(seed * 1_000_003 + zlib.crc32(b"tok_embeddings.weight"))
-        if name.endswith("norm.weight"):
-            full = torch.ones(param.shape)
-        else:
-            std = config.init_std
-            if name.endswith(("wo.weight", "w2.weight")):
-                std = std / (2 * config.n_layers) ** 0.5  # residual projections, GPT-2 style
-            full = torch.randn(param.shape, generator=generator) * std
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
-    if hasattr(model, "rotary"):
-        model.rotary = rotary_tables(config, device=model.rotary.device)  # type: ignore[assignment]
+def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name` (its name in the plain model). Each draws
+    from a generator of its own, seeded by `seed` and the name, so the value does not depend
+    on which other parameters a process holds or in what order it draws them."""
+    if config.tie_embeddings and name == "output.weight":
+        name = "tok_embeddings.weight"  # a pipeline's last stage holds the tied head alone
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = config.init_std
+    if name.endswith(("wo.weight", "w2.weight")):
+        std = std / (2 * config.n_layers) ** 0.5  # residual projections, GPT-2 style
+    return torch.randn(shape, generator=generator) * std

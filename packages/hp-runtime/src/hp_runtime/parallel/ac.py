@@ -7,7 +7,13 @@ same inputs, so results match up to float noise (tested against a run without it
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    checkpoint_wrapper,
+)
+
+# What the wrapper adds to the names of the parameters inside (`parallelize.canonical_name`).
+AC_NAME_PREFIX = _CHECKPOINT_PREFIX
 
 
 def apply_ac(model: nn.Module, mode: str = "full", every: int = 2) -> None:

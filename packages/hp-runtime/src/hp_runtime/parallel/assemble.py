@@ -17,27 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_runtime.model import ModelConfig, Transformer, init_weights
+from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.parallel.clip import clip_grad_norm
+from hp_runtime.parallel.init import init_weights
 from hp_runtime.parallel.mesh import ParallelDims, data_parallel_mesh
+from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.parallel.parallelize import parallelize
 from hp_runtime.parallel.pp import build_schedule, stage_modules
 from hp_runtime.parallel.tied import broadcast_tied, stage_groups, sync_tied_grads, tied_weight
-
-
-@dataclass(frozen=True)
-class ParallelOptions:
-    """How each dimension is applied, beyond its degree (see `ParallelDims`)."""
-
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 1
-    pp_virtual_stages: int = 1
-    loss_parallel: bool = False
-    activation_checkpointing: str | None = None  # "full" or "selective"
-    ac_every: int = 2
-    compile_blocks: bool = False
-    tp_reduce_dtype: torch.dtype | None = None
-    param_dtype: torch.dtype | None = None  # FSDP compute dtype; default bf16 on GPU
 
 
 @dataclass
@@ -117,11 +104,13 @@ def assemble(
     *,
     seed: int,
     options: ParallelOptions | None = None,
+    param_dtype: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Assembly:
     """Build, parallelize, materialise and initialise this rank's share of the model.
 
-    Without an initialised process group `dims` must describe one process. Under a pipeline,
+    Without an initialised process group `dims` must describe one process. `param_dtype` is
+    FSDP's compute dtype (see `parallelize`). Under a pipeline,
     `loss_fn(logits, targets)` returns a micro-batch's share of the step's loss (gradients are
     not rescaled); it is required then, and ignored otherwise.
     """
@@ -148,18 +137,7 @@ def assemble(
         pp_group, tied_group = stage_groups(mesh)
     if mesh is not None:
         for _, module in stages:
-            parallelize(
-                module,
-                dims,
-                mesh,
-                device_type=device.type,
-                loss_parallel=options.loss_parallel,
-                activation_checkpointing=options.activation_checkpointing,
-                ac_every=options.ac_every,
-                compile_blocks=options.compile_blocks,
-                tp_reduce_dtype=options.tp_reduce_dtype,
-                param_dtype=options.param_dtype,
-            )
+            parallelize(module, dims, mesh, options, param_dtype=param_dtype)
     for _, module in stages:
         module.to_empty(device=device)
         init_weights(module, seed=seed)
@@ -174,7 +152,7 @@ def assemble(
             mesh["pp"],
             device,
             options.pp_schedule,
-            options.pp_microbatches,
+            options.pp_microbatches or 1,
             loss_fn,  # type: ignore[index]
         )
     # A tied pair inside one module is one parameter here, as `parameters()` yields it once.

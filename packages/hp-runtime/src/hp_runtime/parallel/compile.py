@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# What the compiled wrapper (torch's OptimizedModule) adds to the names of the parameters
+# inside (`parallelize.canonical_name`).
+COMPILE_NAME_PREFIX = "_orig_mod."
+
 
 def apply_compile(model: nn.Module) -> None:
     """Replace every block of `model.layers` with its compiled version, in place."""

@@ -1,5 +1,6 @@
 """The order the parallel dimensions are applied in, in one place: TP, AC, compile, FSDP
-(pipeline stages are cut before, in `pp.py`, and each stage goes through here)."""
+(pipeline stages are cut before, in `pp.py`, and each stage goes through here); and the
+parameter names as they were before these wrappers."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_runtime.parallel.ac import apply_ac
-from hp_runtime.parallel.compile import apply_compile
+from hp_runtime.parallel.ac import AC_NAME_PREFIX, apply_ac
+from hp_runtime.parallel.compile import COMPILE_NAME_PREFIX, apply_compile
 from hp_runtime.parallel.fsdp import apply_fsdp
 from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.parallel.tp import apply_tp
 
 
@@ -18,25 +20,33 @@ def parallelize(
     model: nn.Module,
     dims: ParallelDims,
     mesh: DeviceMesh,
-    device_type: str = "cpu",
-    loss_parallel: bool = False,
-    activation_checkpointing: str | None = None,
-    ac_every: int = 2,
-    compile_blocks: bool = False,
-    tp_reduce_dtype: torch.dtype | None = None,
+    options: ParallelOptions | None = None,
+    *,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Apply tensor parallel, then activation checkpointing, then per-block torch.compile, then
     FSDP/HSDP, to a model (or a pipeline stage) still on the meta device. `param_dtype` is
     FSDP's compute dtype (default: bf16 on GPU, fp32 on CPU)."""
+    options = options or ParallelOptions()
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], loss_parallel, tp_reduce_dtype)
-    if activation_checkpointing is not None:
-        apply_ac(model, activation_checkpointing, ac_every)
-    if compile_blocks:
+        reduce_dtype = getattr(torch, options.tp_reduce_dtype) if options.tp_reduce_dtype else None
+        apply_tp(model, mesh["tp"], options.loss_parallel, reduce_dtype)
+    if options.activation_checkpointing != "none":
+        apply_ac(model, options.activation_checkpointing, options.ac_every)
+    if options.compile:
         apply_compile(model)
-    if dims.dp_shard > 1 or dims.dp_replicate > 1:
+    if dims.dp_size > 1:
         hsdp = dims.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, device_type, param_dtype=param_dtype)
+        reshard = options.fsdp_reshard_after_forward == "always"
+        apply_fsdp(model, dp_mesh, mesh.device_type, reshard, param_dtype)
     return model
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model, without the activation-checkpoint or compile
+    wrappers `parallelize` adds, so seeds and comparisons see the same names in every
+    layout (FSDP and TP keep the names)."""
+    for prefix in (AC_NAME_PREFIX, COMPILE_NAME_PREFIX):
+        name = name.replace(prefix, "")
+    return name

@@ -24,6 +24,7 @@ from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, dataset_type
 
 from hp_runtime.model import PRESETS, ModelConfig
+from hp_runtime.parallel import ParallelDims, ParallelOptions
 
 
 class ConfigError(ValueError):
@@ -50,19 +51,9 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = "1f1b"
-    pp_microbatches: int | None = None  # default: all accumulation steps in one schedule step
-    pp_virtual_stages: int = 1
-    tp_reduce_dtype: Literal["float32", "bfloat16"] | None = None
-    loss_parallel: bool = False
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    ac_every: int = 2
-    compile: bool = False
+class ParallelConfig(ParallelOptions, ParallelDims):
+    """The `[parallel]` section is the library's own layout and options, one object that
+    `assemble` takes as both: its keys are their fields (the layout's first)."""
 
 
 @dataclass(frozen=True, kw_only=True)

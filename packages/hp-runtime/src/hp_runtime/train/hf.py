@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_runtime.model import ModelConfig, canonical_name
+from hp_runtime.model import ModelConfig
+from hp_runtime.parallel.init import copy_full_
+from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.checkpoint import first_line
 from hp_runtime.train.exportdir import ExportTarget
 from hp_runtime.train.launch import TrainError
@@ -410,8 +412,6 @@ def check_hf_config(config: ModelConfig, directory: str) -> None:
 def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) -> None:
     """Copy an HF Llama's weights into this rank's model parts (any layout): each parameter's
     full tensor is read and the local shard kept, as `init_weights` does."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     check_hf_config(config, directory)
     weights = read_hf(directory)
     _check_extra(weights, config, directory)
@@ -429,11 +429,7 @@ def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) 
                     f"model.init_from: {source} has shape {list(full.shape)}, the model's "
                     f"{name} {list(param.shape)}"
                 )
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+            copy_full_(param, full)
 
 
 def export_checkpoint(

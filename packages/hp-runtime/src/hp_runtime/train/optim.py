@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from hp_runtime.model import canonical_name
+from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import OptimConfig
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 import torch
 from hp_data.redact import redact_data
 
 from hp_runtime import __version__
-from hp_runtime.parallel import Assembly, ParallelDims, ParallelOptions, assemble
+from hp_runtime.parallel import Assembly, assemble
 from hp_runtime.train.checkpoint import (
     DATA_KEYS,
     Checkpointer,
@@ -49,20 +49,15 @@ def precision(
     mode = config.train.mixed_precision
     if not (mode == "bf16" or (mode == "auto" and device.type == "cuda")):
         return torch.float32, None
-    sharded = config.parallel.dp_replicate * config.parallel.dp_shard > 1
+    sharded = config.parallel.dp_size > 1
     return (torch.bfloat16, None) if sharded else (None, torch.bfloat16)
-
-
-def _dims(config: Config) -> ParallelDims:
-    p = config.parallel
-    return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp)
 
 
 def check_layout(config: Config, runtime: Runtime) -> BatchPlan:
     """Errors every rank finds alike, before any work: the layout against the world size."""
     p = config.parallel
     try:
-        _dims(config).validate(runtime.world_size, config.model)
+        p.validate(runtime.world_size, config.model)
     except ValueError as exc:
         raise ConfigError(
             f"parallel: {exc} (set parallel.dp_shard, tp, pp, dp_replicate)"
@@ -77,26 +72,14 @@ def check_layout(config: Config, runtime: Runtime) -> BatchPlan:
 def build_assembly(
     config: Config, runtime: Runtime, plan: BatchPlan, loss_fn: TokenLoss
 ) -> Assembly:
-    p = config.parallel
-    options = ParallelOptions(
-        pp_schedule=p.pp_schedule,
-        pp_microbatches=pp_microbatches(config, plan),
-        pp_virtual_stages=p.pp_virtual_stages,
-        loss_parallel=p.loss_parallel,
-        activation_checkpointing=None
-        if p.activation_checkpointing == "none"
-        else p.activation_checkpointing,
-        ac_every=p.ac_every,
-        compile_blocks=p.compile,
-        tp_reduce_dtype=getattr(torch, p.tp_reduce_dtype) if p.tp_reduce_dtype else None,
-        param_dtype=precision(config, runtime.device)[0],
-    )
+    parallel = replace(config.parallel, pp_microbatches=pp_microbatches(config, plan))
     return assemble(
         config.model,
-        _dims(config),
+        parallel,
         runtime.device,
         seed=config.train.seed,
-        options=options,
+        options=parallel,
+        param_dtype=precision(config, runtime.device)[0],
         loss_fn=loss_fn,
     )
 
