@@ -230,6 +230,19 @@ def test_a_tokenizer_tiktoken_cannot_reproduce(tmp_path, make, why):
         run_preprocess([corpus], tmp_path / "forced", path, tokenizer_engine="tiktoken")
 
 
+def _split_then_bytes(regex: str) -> dict:
+    """A tokenizer.json's pre-tokenizer part: Llama 3's layout with `regex` as its Split."""
+    return {
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated"},
+                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
+            ],
+        }
+    }
+
+
 def test_refused_shapes(example_tokenizer):
     described = json.loads(example_tokenizer.read_text())
     FastBPE.from_description(described)  # as shipped: converts
@@ -239,30 +252,8 @@ def test_refused_shapes(example_tokenizer):
         ({"added_tokens": [{"id": 0, "content": "<|endoftext|>", "lstrip": True}]}, "strips"),
         ({"model": {**described["model"], "byte_fallback": True}}, "byte_fallback"),
         ({"model": {**described["model"], "dropout": 0.1}}, "dropout"),
-        (
-            {
-                "pre_tokenizer": {
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {"type": "Split", "pattern": {"Regex": r"(a)\1|."}, "behavior": "Isolated"},
-                        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
-                    ],
-                }
-            },
-            "backreference",
-        ),
-        (
-            {
-                "pre_tokenizer": {
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {"type": "Split", "pattern": {"Regex": r"\p{L}*"}, "behavior": "Isolated"},
-                        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False},
-                    ],
-                }
-            },
-            "empty string",
-        ),
+        (_split_then_bytes(r"(a)\1|."), "backreference"),
+        (_split_then_bytes(r"\p{L}*"), "empty string"),
     ]:
         with pytest.raises(NotConvertible, match=why):
             FastBPE.from_description({**described, **change})
