@@ -9,6 +9,12 @@ metrics.jsonl and from the loop's own clock. The two alternate `--rounds` times 
 are compared: on a shared 2-core machine single runs swing by about 5%.
 
     uv run python tools/bench/bench_train.py [--steps 30] [--warmup 5] [--rounds 3]
+
+`--parts` times instead, on the same 2 ranks, model and batch, what hp-train's step does that
+the plain loop does not, next to the plain loop's own: hp's clipping (float64 norm of the
+local shards, one all-reduce) against `clip_grad_norm_`, the float64 norm alone against a
+float32 one, and hp's two small all-reduces (loss tokens; loss and stop request) against the
+plain loop's one, with a forward and backward for scale; min and median of `--rounds`.
 """
 
 from __future__ import annotations
@@ -86,6 +92,71 @@ def plain_loop(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def step_parts(args: argparse.Namespace) -> None:
+    """One rank of `--parts` (run under torchrun): seconds per call, min and median."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from hp_runtime.model import Transformer, init_weights, preset
+    from hp_runtime.parallel.clip import clip_grad_norm
+    from hp_runtime.parallel.fsdp import apply_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = preset("small", max_seq_len=args.seq)
+    with torch.device("meta"):
+        model = Transformer(config)
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), "cpu")
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(rank)
+    tokens, labels = torch.randint(
+        0, config.vocab_size, (2, args.mbs, args.seq), generator=generator
+    )
+
+    def forward_backward() -> None:
+        model.zero_grad()
+        F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten()).backward()
+
+    forward_backward()
+    shards = [p.grad.to_local() for p in params]
+
+    def hp_collectives() -> None:
+        count = torch.ones(())
+        dist.all_reduce(count, async_op=True).wait()
+        values = torch.zeros(2)
+        dist.all_reduce(values)
+        values.tolist()
+
+    parts = {
+        "forward and backward": (forward_backward, 2),
+        "hp clip (float64 norm)": (lambda: clip_grad_norm(params, 1.0), 20),
+        "clip_grad_norm_": (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), 20),
+        "local norm, float64": (lambda: torch._foreach_norm(shards, 2, dtype=torch.float64), 20),
+        "local norm, float32": (lambda: torch._foreach_norm(shards, 2), 20),
+        "hp's two all-reduces": (hp_collectives, 50),
+        "plain loop's all-reduce": (lambda: dist.all_reduce(torch.zeros(())), 50),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(args.rounds):
+        for name, (call, repeats) in parts.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            dist.barrier()
+            seconds[name].append((time.perf_counter() - start) / repeats)
+    if rank == 0:
+        for name, values in seconds.items():
+            print(
+                f"{name:26}{min(values) * 1e3:10.1f} ms{statistics.median(values) * 1e3:10.1f} ms"
+            )
+    dist.destroy_process_group()
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args]
@@ -125,12 +196,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="also hp-train's log interval")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--parts", action="store_true", help="time the step's parts instead")
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-parts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain:
         plain_loop(args)
+        return
+    if args.rank_parts:
+        step_parts(args)
+        return
+    if args.parts:
+        print(f"per call, min and median of {args.rounds} rounds")
+        done = torchrun(__file__, "--rank-parts", f"--seq={args.seq}", f"--mbs={args.mbs}",
+                        f"--rounds={args.rounds}")  # fmt: skip
+        print(done.stdout, end="")
         return
     with tempfile.TemporaryDirectory() as work:
         args.prefix, args.cache = f"{work}/docstrings", f"{work}/cache"

@@ -17,15 +17,11 @@ from hp_runtime.train.config import Config
 from hp_runtime.train.data import BatchPlan, Loader
 from hp_runtime.train.guard import SpikeStop, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals, TrainError
-from hp_runtime.train.metrics import LaggedValues, MetricsLog
+from hp_runtime.train.metrics import LaggedValues
 from hp_runtime.train.plot import plot_run
 from hp_runtime.train.schedule import lr_at
 from hp_runtime.train.setup import Run, setup
-from hp_runtime.train.state import TrainState
 from hp_runtime.train.step import Stepper
-
-TIME_LIMIT_FLAG = float(2**20)  # the clock adds this to the stop flag; a signal adds 1 a rank
-SAVE_FAILED_FLAG = float(2**21)  # a rank whose background save failed adds this
 
 
 @dataclass
@@ -40,6 +36,44 @@ class RunResult:
     resumed_from: str | None = None
     stopped_by: str | None = None  # a signal's name, or "time_limit"
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """A rank's reasons to stop after this step. It rides in the step's loss all-reduce (no
+    collective of its own) as one float, each reason its own power of two, so that the sum
+    over the ranks still says the weightiest reason any rank gave."""
+
+    signal: bool = False  # SIGTERM or SIGINT on this rank
+    time_limit: bool = False  # rank 0's clock only
+    save_failed: bool = False  # this rank's background save failed
+
+    _SIGNAL, _TIME_LIMIT, _SAVE_FAILED = 1.0, float(2**20), float(2**21)  # below 2**20 ranks
+
+    def encode(self) -> float:
+        return (
+            self._SIGNAL * self.signal
+            + self._TIME_LIMIT * self.time_limit
+            + self._SAVE_FAILED * self.save_failed
+        )
+
+    @classmethod
+    def decode(cls, total: float) -> StopRequest | None:
+        """The job's request from the sum of every rank's `encode()`: its weightiest reason
+        only (a float32 sum may round the lighter ones off)."""
+        if total >= cls._SAVE_FAILED:
+            return cls(save_failed=True)
+        if total >= cls._TIME_LIMIT:
+            return cls(time_limit=True)
+        return cls(signal=True) if total > 0 else None
+
+    def describe(self, signal_name: str | None) -> str:
+        """The reason as the log says it (`signal_name`: this rank's, if it got one)."""
+        if self.save_failed:  # every rank stops; `Checkpointer.finish` raises the failure
+            return "a failed checkpoint save"
+        if self.time_limit:
+            return "train.time_limit"
+        return signal_name or "signal"
 
 
 def evaluate(stepper: Stepper, loader: Loader | None, plan: BatchPlan, iters: int) -> float:
@@ -58,130 +92,158 @@ def train(
 ) -> RunResult:
     """Run `config` on this rank (set up by `setup` unless `run` is given); every rank of the
     job calls it."""
-    t, stream = config.train, stream or sys.stdout
     started = time.perf_counter()
-    run = run or setup(config, runtime, stream, started)
-    state, plan, stepper, loader, metrics = (
-        run.state,
-        run.plan,
-        run.stepper,
-        run.loader,
-        run.metrics,
-    )
-    result = RunResult(t.steps, resumed_from=run.resumed_from)
-    lagged = LaggedValues()
-    skipped_since_log: set[int] = set()
-    step_times: list[float] = []
+    run = run or setup(config, runtime, stream or sys.stdout, started)
+    return Loop(config, runtime, run, started).train()
 
-    def settle(entry: tuple[int, list[float]] | None) -> None:
-        """A step's values have reached the host: check them, keep them, note a stop."""
-        if entry is None:
-            return
-        step, (loss, norm, stop) = entry
+
+class Loop:
+    """One rank's run: each `step` → `maybe_log` → `maybe_eval` → `maybe_checkpoint`, then
+    `finish` and the `end` record. A step's values reach the host one step late
+    (`LaggedValues`); a step that logs, validates or saves reads its own at once."""
+
+    def __init__(self, config: Config, runtime: Runtime, run: Run, started: float) -> None:
+        self.config, self.t, self.runtime, self.run = config, config.train, runtime, run
+        self.state, self.metrics, self.loader = run.state, run.metrics, run.loader
+        self.started = started
+        self.result = RunResult(self.t.steps, resumed_from=run.resumed_from)
+        self.lagged = LaggedValues()
+        self.skipped_since_log: set[int] = set()
+        self.step_times: list[float] = []
+        self.signals = StopSignals()
+
+    def train(self) -> RunResult:
+        self.metrics.mark(self.state.step)
+        try:
+            with self.signals:
+                for step in range(self.state.step + 1, self.t.steps + 1):
+                    lr = self.step(step)
+                    done = self.maybe_log(step, lr)  # each one that ran is not training time
+                    done |= self.maybe_eval(step)
+                    done |= self.maybe_checkpoint(step)
+                    if done:
+                        self.mark(step)
+                    if self.result.stopped_by:
+                        break
+                self.finish()
+            self.end()
+        except TrainError as exc:
+            self.metrics.write(
+                {"kind": "end", "status": "failed", "step": self.state.step, "reason": str(exc)}
+            )
+            raise
+        finally:
+            self.metrics.close()
+        self.plot()
+        return self.result
+
+    def step(self, step: int) -> float:
+        """Train one global batch and update (unless the spike guard skips it); its lr."""
+        run, state, plan = self.run, self.state, self.run.plan
+        step_start = time.perf_counter()
+        lr = lr_at(step, self.config.optim, self.t.steps)
+        for group in state.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self.loader.take(plan.accumulation) if self.loader is not None else []
+        request = StopRequest(
+            signal=self.signals.received is not None,
+            time_limit=self.near_time_limit(),
+            save_failed=run.checkpointer.save_failed(),
+        )
+        loss, stop = run.stepper.train_step(micro, plan.accumulation, request.encode())
+        norm = run.assembly.finish_gradients(self.t.max_norm)
+        values = torch.stack([loss, norm.float(), stop])
+        if state.guard.enabled and self.guard(step, values):
+            self.skipped_since_log.add(step)
+        else:
+            state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.advance()
+        self.settle(self.lagged.push(step, values))
+        run.checkpointer.poll()
+        self.log_commits()
+        self.step_times.append(time.perf_counter() - step_start)
+        return lr
+
+    def guard(self, step: int, values: torch.Tensor) -> bool:
+        """The spike guard's verdict on this step, before its update (one device sync); True
+        to skip the update."""
+        loss, norm, _ = values.tolist()
+        state = self.state
         check_finite(step, loss, norm, state.samples_of(step))
-        result.losses[step], result.grad_norms[step] = loss, norm
-        if stop > 0 and result.stopped_by is None:
-            if stop >= SAVE_FAILED_FLAG:  # every rank stops here; `wait` raises the failure
-                result.stopped_by = "a failed checkpoint save"
-            elif stop >= TIME_LIMIT_FLAG:
-                result.stopped_by = "train.time_limit"
-            else:
-                result.stopped_by = signals.received or "signal"
-
-    def log_commits() -> None:
-        """Log checkpoints once they are committed (never one still being written)."""
-        for saved in run.checkpointer.take():
-            metrics.write(
-                {
-                    "kind": "checkpoint",
-                    "step": saved.step,
-                    "path": saved.path,
-                    "seconds": saved.seconds,
-                    "async": saved.background,
-                }
-            )
-            metrics.say(
-                f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
-            )
-
-    def near_time_limit() -> bool:
-        """Rank 0's clock: stop when two more steps and a save would pass the limit."""
-        if not t.time_limit or not runtime.is_main or not step_times:
+        reason = state.guard.judge(loss, norm)
+        if reason is None:
             return False
-        margin = 2 * max(step_times[-5:]) + run.checkpointer.last_save_seconds
-        return time.perf_counter() - started + margin >= t.time_limit
+        first, end = state.samples_of(step)
+        message = f"step {step}: {reason} (samples {first} to {end - 1})"
+        if state.guard.action == "stop":
+            raise SpikeStop(message + "; stopping (train.spike_action = 'stop')")
+        self.metrics.say(message + "; update skipped")
+        self.metrics.write(
+            {"kind": "skip", "step": step, "reason": reason, "samples": [first, end]}
+        )
+        self.result.skipped.append(step)
+        return True
 
-    metrics.mark(state.step)
-    try:
-        with StopSignals() as signals:
-            for step in range(state.step + 1, t.steps + 1):
-                step_start = time.perf_counter()
-                lr = lr_at(step, config.optim, t.steps)
-                for group in state.optimizer.param_groups:
-                    group["lr"] = lr
-                micro = loader.take(plan.accumulation) if loader is not None else []
-                stop_flag = float(signals.received is not None)
-                stop_flag += TIME_LIMIT_FLAG if near_time_limit() else 0.0
-                stop_flag += SAVE_FAILED_FLAG if run.checkpointer.save_failed() else 0.0
-                loss, stop = stepper.train_step(micro, plan.accumulation, stop_flag)
-                norm = run.assembly.finish_gradients(t.max_norm)
-                values = torch.stack([loss, norm.float(), stop])
-                skip = state.guard.enabled and guard_step(step, values, state, metrics, result)
-                if not skip:
-                    state.optimizer.step()
-                else:
-                    skipped_since_log.add(step)
-                state.optimizer.zero_grad(set_to_none=True)
-                state.advance()
-                settle(lagged.push(step, values))
-                run.checkpointer.poll()
-                log_commits()
-                step_times.append(time.perf_counter() - step_start)
+    def maybe_log(self, step: int, lr: float) -> bool:
+        """The train record at log steps, the last and a stop; whether it wrote one."""
+        interval = self.config.metrics.log_interval
+        if not (step % interval == 0 or step == self.t.steps or self.result.stopped_by):
+            return False
+        self.settle_all()
+        self.metrics.train(
+            step,
+            self.result.losses[step],
+            self.result.grad_norms[step],
+            lr,
+            self.state.consumed_samples,
+            self.loader.waited if self.loader is not None else 0.0,
+            skipped=step in self.skipped_since_log,
+        )
+        self.skipped_since_log.clear()
+        return True
 
-                last = step == t.steps
-                boundary = False  # time spent outside steps is not training time
-                if step % config.metrics.log_interval == 0 or last or result.stopped_by:
-                    settle(lagged.flush())
-                    metrics.train(
-                        step,
-                        result.losses[step],
-                        result.grad_norms[step],
-                        lr,
-                        state.consumed_samples,
-                        loader.waited if loader is not None else 0.0,
-                        skipped=step in skipped_since_log,
-                    )
-                    skipped_since_log.clear()
-                    boundary = True
-                if t.eval_interval and (step % t.eval_interval == 0 or last):
-                    settle(lagged.flush())
-                    result.val_losses[step] = evaluate(
-                        stepper, run.valid_loader, plan, t.eval_iters
-                    )
-                    metrics.validation(step, result.val_losses[step])
-                    boundary = True
-                interval = config.checkpoint.interval
-                if (interval and (step % interval == 0 or last)) or result.stopped_by:
-                    settle(lagged.flush())
-                    block = bool(result.stopped_by) or not config.checkpoint.async_save
-                    run.checkpointer.save(state, run.meta, block=block)
-                    log_commits()
-                    if run.checkpointer.pending is not None:
-                        metrics.say(
-                            f"hp-train: checkpoint of step {step}: writing in the background "
-                            f"({run.checkpointer.last_save_seconds:.2f} s to stage it)"
-                        )
-                    boundary = True
-                if boundary:
-                    metrics.mark(step)
-                    if loader is not None:
-                        loader.waited = 0.0
-                if result.stopped_by:
-                    break
-            settle(lagged.flush())
-            run.checkpointer.finish()
-            log_commits()
-        result.seconds = time.perf_counter() - started
+    def maybe_eval(self, step: int) -> bool:
+        """Validate at eval steps and the last; whether it did."""
+        t = self.t
+        if not (t.eval_interval and (step % t.eval_interval == 0 or step == t.steps)):
+            return False
+        self.settle_all()
+        run = self.run
+        self.result.val_losses[step] = evaluate(
+            run.stepper, run.valid_loader, run.plan, t.eval_iters
+        )
+        self.metrics.validation(step, self.result.val_losses[step])
+        return True
+
+    def maybe_checkpoint(self, step: int) -> bool:
+        """Save at checkpoint steps, the last and a stop (blocking then); whether it did."""
+        interval, checkpointer = self.config.checkpoint.interval, self.run.checkpointer
+        if not (
+            (interval and (step % interval == 0 or step == self.t.steps)) or self.result.stopped_by
+        ):
+            return False
+        self.settle_all()
+        block = bool(self.result.stopped_by) or not self.config.checkpoint.async_save
+        checkpointer.save(self.state, self.run.meta, block=block)
+        self.log_commits()
+        if checkpointer.pending is not None:
+            self.metrics.say(
+                f"hp-train: checkpoint of step {step}: writing in the background "
+                f"({checkpointer.last_save_seconds:.2f} s to stage it)"
+            )
+        return True
+
+    def finish(self) -> None:
+        """The last step's values, and the save in flight committed (every rank together)."""
+        self.settle_all()
+        self.run.checkpointer.finish()
+        self.log_commits()
+
+    def end(self) -> None:
+        """The end record and the closing line."""
+        state, result, metrics, t = self.state, self.result, self.metrics, self.t
+        result.seconds = time.perf_counter() - self.started
         status = "completed" if result.stopped_by is None else f"stopped by {result.stopped_by}"
         metrics.write(
             {
@@ -193,7 +255,7 @@ def train(
                 "elapsed_s": result.seconds,
             }
         )
-        if run.resumed_from is not None and not result.losses:  # resumed at the end
+        if self.run.resumed_from is not None and not result.losses:  # resumed at the end
             metrics.say(
                 f"hp-train: nothing to do: the run is at step {state.step} of train.steps "
                 f"{t.steps}; raise train.steps to train further"
@@ -204,34 +266,55 @@ def train(
                 f"{result.losses.get(state.step, float('nan')):.4f}; metrics in {metrics.path}"
                 + ("" if result.stopped_by is None else "; run the same command to resume")
             )
-    except TrainError as exc:
-        metrics.write({"kind": "end", "status": "failed", "step": state.step, "reason": str(exc)})
-        raise
-    finally:
-        metrics.close()
-    if config.metrics.plot and runtime.is_main:
-        try:
-            metrics.say(f"hp-train: curves in {plot_run(t.run_dir)}")
-        except TrainError as exc:  # matplotlib missing: a notice, not a failure
-            metrics.say(f"hp-train: no plot: {exc}")
-    return result
 
+    def plot(self) -> None:
+        if self.config.metrics.plot and self.runtime.is_main:
+            try:
+                self.metrics.say(f"hp-train: curves in {plot_run(self.t.run_dir)}")
+            except TrainError as exc:  # matplotlib missing: a notice, not a failure
+                self.metrics.say(f"hp-train: no plot: {exc}")
 
-def guard_step(
-    step: int, values: torch.Tensor, state: TrainState, metrics: MetricsLog, result: RunResult
-) -> bool:
-    """The spike guard's verdict on this step, before its update (one device sync); True
-    to skip the update."""
-    loss, norm, _ = values.tolist()
-    check_finite(step, loss, norm, state.samples_of(step))
-    reason = state.guard.judge(loss, norm)
-    if reason is None:
-        return False
-    first, end = state.samples_of(step)
-    message = f"step {step}: {reason} (samples {first} to {end - 1})"
-    if state.guard.action == "stop":
-        raise SpikeStop(message + "; stopping (train.spike_action = 'stop')")
-    metrics.say(message + "; update skipped")
-    metrics.write({"kind": "skip", "step": step, "reason": reason, "samples": [first, end]})
-    result.skipped.append(step)
-    return True
+    def settle(self, entry: tuple[int, list[float]] | None) -> None:
+        """A step's values have reached the host: check them, keep them, note a stop."""
+        if entry is None:
+            return
+        step, (loss, norm, stop) = entry
+        check_finite(step, loss, norm, self.state.samples_of(step))
+        self.result.losses[step], self.result.grad_norms[step] = loss, norm
+        request = StopRequest.decode(stop)
+        if request is not None and self.result.stopped_by is None:
+            self.result.stopped_by = request.describe(self.signals.received)
+
+    def settle_all(self) -> None:
+        """The latest step's values at once (a logged, validated or saved step needs them)."""
+        self.settle(self.lagged.flush())
+
+    def mark(self, step: int) -> None:
+        """Time from here on is training time again."""
+        self.metrics.mark(step)
+        if self.loader is not None:
+            self.loader.waited = 0.0
+
+    def log_commits(self) -> None:
+        """Log checkpoints once they are committed (never one still being written)."""
+        for saved in self.run.checkpointer.take():
+            self.metrics.write(
+                {
+                    "kind": "checkpoint",
+                    "step": saved.step,
+                    "path": saved.path,
+                    "seconds": saved.seconds,
+                    "async": saved.background,
+                }
+            )
+            self.metrics.say(
+                f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
+            )
+
+    def near_time_limit(self) -> bool:
+        """Rank 0's clock: stop when two more steps and a save would pass the limit."""
+        t, times = self.t, self.step_times
+        if not t.time_limit or not self.runtime.is_main or not times:
+            return False
+        margin = 2 * max(times[-5:]) + self.run.checkpointer.last_save_seconds
+        return time.perf_counter() - self.started + margin >= t.time_limit
