@@ -1,75 +1,211 @@
-"""Run a function on N ranks, each a fresh process with a gloo process group.
+"""Run a function on N ranks of a gloo process group, in warm processes reused across tests.
 
-Fast start: spawn, one thread per rank, a file store. Any rank's exception comes back with its
-traceback; a hung run is killed after `timeout` seconds and reported, never waited on forever.
+A rank imports torch and `torch.distributed.tensor` once (~3.5 s); a test body then costs what
+it computes. The pool grows to the largest world asked for; a call on N ranks uses its first N
+processes, each joining a fresh process group (a new file store) that is destroyed afterwards,
+so no group or device mesh outlives its body. Between bodies a process is put back as a fresh
+one would start: environment, working directory, signal handlers, thread count, warning
+filters and the torch, numpy and `random` generators as they were when it started.
+
+A rank that raises, hangs or dies fails its test with every rank's report and tears the pool
+down (the next call starts a new one); `fresh=True` runs on new processes and closes them.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.util  # registers the exit handler that waits on children (below)
 import os
 import queue
+import random
+import signal
+import sys
 import tempfile
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+_SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world: int, store: str, args: tuple, results: Any
-) -> None:
+
+class _Fresh:
+    """What a body may change in its process, as the process had it before any body ran."""
+
+    def __init__(self) -> None:
+        import numpy as np
+        import torch
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+        self.filters = list(warnings.filters)
+        self.generators = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        self.dtype = torch.get_default_dtype()
+        self.matmul = torch.get_float32_matmul_precision()
+
+    def restore(self) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed.tensor._random as dtensor_random
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for signum, handler in self.handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        warnings.filters[:] = self.filters
+        torch_state, numpy_state, random_state = self.generators
+        torch.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(random_state)
+        torch.set_default_dtype(self.dtype)
+        torch.set_float32_matmul_precision(self.matmul)
+        torch.set_num_threads(1)
+        dtensor_random._rng_tracker = None  # DTensor's seed tracker, made on a body's mesh
+        if "torch._dynamo" in sys.modules:  # compiled code and its recompile budget
+            torch._dynamo.reset()
+
+
+def _next(tasks: Any, parent: int) -> Any:
+    """The next task; None to stop, also once the parent is gone (a killed test run leaves
+    no rank behind)."""
+    while os.getppid() == parent:
+        try:
+            return tasks.get(timeout=2)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _worker(tasks: Any, results: Any) -> None:
+    """One warm rank: run each task `(fn, rank, world, store, args)` in a process group of
+    its own, report it, and put the process back as it was."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
+    import torch.distributed.tensor  # the import a warm rank exists to pay once
 
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        value = fn(rank, world, *args)
-        results.put((rank, "ok", value))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list:
-    """`[fn(rank, world, *args) for each rank]`, each in its own process; `fn` must be
-    importable (defined at module level) and return picklable values without torch tensors
-    (a tensor crosses as shared memory that dies with its process: return numpy)."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as directory:
-        store = os.path.join(directory, "store")
-        processes = [
-            context.Process(target=_entry, args=(fn, rank, world, store, args, results))
-            for rank in range(world)
-        ]
-        for process in processes:
-            process.start()
-        out: dict[int, Any] = {}
-        errors = []
+    fresh = _Fresh()
+    parent = os.getppid()
+    while (task := _next(tasks, parent)) is not None:
+        fn, rank, world, store, args = task
         try:
-            for _ in range(world):
+            dist.init_process_group(
+                "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+            )
+            report = (rank, "ok", fn(rank, world, *args))
+        except BaseException:
+            report = (rank, "error", traceback.format_exc())
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            fresh.restore()
+        except BaseException:
+            report = (rank, "error", traceback.format_exc())
+        results.put(report)
+
+
+class _Pool:
+    """Warm ranks 0..N-1 sharing one result queue; `run` uses the first `world` of them."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.results = self.context.Queue()
+        self.ranks: list[tuple[Any, Any]] = []  # (process, its task queue)
+
+    def _grow(self, world: int) -> None:
+        while len(self.ranks) < world:
+            tasks = self.context.Queue()
+            process = self.context.Process(target=_worker, args=(tasks, self.results))
+            process.start()
+            self.ranks.append((process, tasks))
+
+    def run(self, fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> list:
+        """Each rank's return value; RuntimeError with every rank's report if any failed."""
+        self._grow(world)
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        with tempfile.TemporaryDirectory() as directory:
+            store = os.path.join(directory, "store")
+            for rank, (_, tasks) in enumerate(self.ranks[:world]):
+                tasks.put((fn, rank, world, store, args))
+            deadline = time.monotonic() + timeout
+            while len(out) + len(errors) < world:
                 # One failing rank makes its peers fail too (connection reset): collect every
                 # report, so the root cause is in the message, not just the first to arrive.
-                rank, status, value = results.get(timeout=timeout if not errors else 20)
+                try:
+                    rank, status, value = self.results.get(timeout=1)
+                except queue.Empty:
+                    dead = [
+                        f"rank {rank} died (exit code {process.exitcode})"
+                        for rank, (process, _) in enumerate(self.ranks[:world])
+                        if not process.is_alive()
+                    ]
+                    if dead or time.monotonic() > deadline:
+                        errors += dead or [f"timed out after {timeout} s"]
+                        errors.append(f"finished ranks: {sorted(out)}")
+                        break
+                    continue
                 if status == "ok":
                     out[rank] = value
                 else:
                     errors.append(f"rank {rank} failed:\n{value}")
-        except queue.Empty:  # a rank hung, or died without a word
-            errors.append(f"timed out after {timeout} s; finished ranks: {sorted(out)}")
-        finally:
-            for process in processes:
-                process.join(timeout=5 if not errors else 0.1)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+                    deadline = min(deadline, time.monotonic() + 20)
         if errors:
             raise RuntimeError("\n".join(errors))
-        dead = [p.exitcode for p in processes if p.exitcode not in (0, None)]
-        if dead:
-            raise RuntimeError(f"ranks exited with codes {dead}")
-    return [out[rank] for rank in range(world)]
+        return [out[rank] for rank in range(world)]
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank: asked to, or with `kill` at once (a failed call's ranks may be
+        stuck in a body or a collective)."""
+        for process, tasks in self.ranks:
+            if process.is_alive() and not kill:
+                tasks.put(None)
+        for process, _ in self.ranks:
+            process.join(timeout=0 if kill else 5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.ranks = []
+
+
+_pool: _Pool | None = None
+
+
+def _close_pool(kill: bool = False) -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close(kill)
+        _pool = None
+
+
+# Registered after multiprocessing's own exit handler, so run before it waits on the ranks.
+atexit.register(_close_pool)
+
+
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, fresh: bool = False
+) -> list:
+    """`[fn(rank, world, *args) for each rank]`, each rank in its own process; `fn` must be
+    importable (defined at module level) and return picklable values without torch tensors
+    (a tensor crosses as shared memory that dies with its process: return numpy). `fresh`:
+    processes of its own, for a body that must start from a new interpreter."""
+    global _pool
+    pool = _Pool() if fresh or _pool is None else _pool
+    if not fresh:
+        _pool = pool
+    try:
+        values = pool.run(fn, world, args, timeout)
+    except BaseException:  # a failed, hung or interrupted call: no rank's state is trusted
+        pool.close(kill=True)
+        if pool is _pool:
+            _pool = None
+        raise
+    if fresh:
+        pool.close()
+    return values
