@@ -216,19 +216,21 @@ def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
 
 def _work(chunk: Chunk, first: bool = False) -> _Result:
     spec: _WorkerSpec = _worker["spec"]
-    option, longest = spec.keys_option, spec.max_chars
-    parsed = read_chunk(
-        chunk, spec.keys, spec.stop_at_invalid, keys_option=option, max_chars=longest
-    )
+
+    def read(stop_at_invalid: bool, check_unicode: bool = False, **more: bool) -> Parsed:
+        """The chunk read (again) with the run's keys, their option's name and length limit."""
+        return read_chunk(
+            chunk, spec.keys, stop_at_invalid, check_unicode, keys_option=spec.keys_option,
+            max_chars=spec.max_chars, **more,
+        )  # fmt: skip
+
+    parsed = read(spec.stop_at_invalid)
     result = _Result(
         chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
     )
     if spec.stop_at_invalid and parsed.invalid:
         # The run stops here: read again to report the first problem, a lone surrogate too.
-        again = read_chunk(
-            chunk, spec.keys, True, check_unicode=True, keys_option=option, max_chars=longest
-        )
-        result.invalid = again.invalid
+        result.invalid = read(True, check_unicode=True).invalid
         return result
     dtype = np.dtype(spec.dtype)
     count = len(parsed.texts[0]) if parsed.texts else 0
@@ -240,14 +242,7 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
         encoded, mismatch = _encode(parsed, spec, dtype, chosen)
     except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
         checked = True
-        parsed = read_chunk(
-            chunk,
-            spec.keys,
-            spec.stop_at_invalid,
-            check_unicode=True,
-            keys_option=option,
-            max_chars=longest,
-        )
+        parsed = read(spec.stop_at_invalid, check_unicode=True)
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
             return result
@@ -256,15 +251,7 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     if _worker["engine"] is not _worker["reference"]:
         result.verified = len(chosen)
     if mismatch is not None:
-        again = read_chunk(
-            chunk,
-            spec.keys,
-            spec.stop_at_invalid,
-            checked,
-            with_offsets=True,
-            keys_option=option,
-            max_chars=longest,
-        )
+        again = read(spec.stop_at_invalid, checked, with_offsets=True)
         result.mismatch = (again.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
@@ -554,7 +541,7 @@ def preprocess(
         task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
         shards = units[task.units.start : task.units.stop]
         outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
-        done = task.finished(outputs) if all(s.reusable for s in shards) else None
+        done = task.finished(outputs)  # every input strongly pinned: check_shardable
         if done is not None:  # a finished shard is not done again
             return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
         out_prefix = task.prefix
