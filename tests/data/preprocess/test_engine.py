@@ -100,6 +100,17 @@ def _corpus(tmp_path, trap_line: int, lines: int = 300):
     return write_jsonl(tmp_path / "c.jsonl", records)
 
 
+def _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap: str, trap_line: int) -> None:
+    """`auto` fell back to tokenizers: its files equal an hf run's, the trap line included."""
+    summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
+    assert summary.engine == "hf"
+    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
+    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
+    assert IndexedDataset(tmp_path / "auto").get_document(trap_line - 1).tolist() == (
+        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
+    )
+
+
 def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_tokenizer):
     """The issue's case: the trap is in document 250, past the first 200 that are checked,
     and off the 1-in-1,000 sample; the proof finds it before the first document."""
@@ -107,13 +118,7 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
     corpus = _corpus(tmp_path, trap_line=250)
     why = r"its merges make 'Q' \+ 'XJ' of the bytes of its token 'QXJ'"
     with pytest.warns(UserWarning, match=rf"trap\.json: tiktoken is not exact for it: {why}"):
-        summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
-    assert summary.engine == "hf"
-    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
-    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
-    assert IndexedDataset(tmp_path / "auto").get_document(249).tolist() == (
-        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
-    )
+        _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap, trap_line=250)
     forced = cli(
         "preprocess", corpus, "--out", tmp_path / "out", "--tokenizer", trap,
         "--tokenizer-engine", "tiktoken", "--quiet", "--workers", "1",
@@ -141,13 +146,7 @@ def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
     corpus = _corpus(tmp_path, trap_line=7)
     assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
     with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
-        summary = run_preprocess([corpus], tmp_path / "auto", trap, workers=2, chunk_bytes=2048)
-    assert summary.engine == "hf"
-    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
-    assert read_bytes(tmp_path / "auto") == read_bytes(tmp_path / "hf")
-    assert IndexedDataset(tmp_path / "auto").get_document(6).tolist() == (
-        Tokenizer.from_file(trap).encode("QXJ is where the engines part").ids
-    )
+        _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap, trap_line=7)
     assert not list(tmp_path.glob(".*"))  # no work directory left behind
 
 
