@@ -148,3 +148,27 @@ def test_split_shares_parse_as_megatron_writes_them():
     for bad in ["", "0,0,0", "1,2,3,4", "1;2", "inf,1"]:
         with pytest.raises(HpDataError, match="give up to three non-negative shares"):
             parse_split(bad)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        (flag, value)
+        for flag in ("--max-document-chars", "--ray-schedule-timeout", "--remote-timeout")
+        for value in ("-1", "nan", "inf", "1e999", "ten", "")
+    ]
+    + [("--max-document-chars", "1.5"), ("--max-document-chars", "9" * 30)],
+)
+def test_preprocess_refuses_bad_values_of_its_new_flags(tmp_path, flag, value):
+    """Issue 29's flags, with generated bad values: one line naming the flag, nothing written.
+    (`--max-document-chars 0` means no limit; a huge integer is a limit no text reaches.)"""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    ray = ["--ray"] if flag == "--ray-schedule-timeout" else []
+    args = ["preprocess", str(corpus), "--out", str(tmp_path / "o"), "--tokenizer", "none", *ray]
+    if value == "9" * 30:  # accepted by click: refused, if at all, for the missing tokenizer
+        result = CliRunner().invoke(main, [*args, flag, value])
+        assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    else:
+        _refused([*args, flag, value], flag)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
