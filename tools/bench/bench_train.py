@@ -64,10 +64,10 @@ def plain_loop(args: argparse.Namespace) -> None:
             type="megatron",
             seq_length=args.seq,
             path=args.prefix,
-            split_shares="1,0,0",
-            num_samples=args.steps * args.mbs * world,
+            split="1,0,0",
             cache_dir=args.cache,
-        )
+        ),
+        num_samples=args.steps * args.mbs * world,
     )
     sampler = PretrainingSampler(len(dataset), 0, args.mbs, rank, world)
     batches = iter(make_dataloader(dataset, sampler, num_workers=1))

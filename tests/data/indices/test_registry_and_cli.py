@@ -37,8 +37,8 @@ def prefix(tmp_path_factory, example_corpus, example_tokenizer) -> str:
 
 
 def test_dummy_is_deterministic(tmp_path):
-    config = DatasetConfig(type="dummy", seq_length=32, num_samples=50, vocab_size=100, seed=3)
-    a, b = build_dataset(config), build_dataset(config)
+    config = DatasetConfig(type="dummy", seq_length=32, vocab_size=100, seed=3)
+    a, b = build_dataset(config, num_samples=50), build_dataset(config, num_samples=50)
     _check_contract(a, 32)
     np.testing.assert_array_equal(a[7]["tokens"], b[7]["tokens"])
     np.testing.assert_array_equal(a[7]["labels"][:-1], a[7]["tokens"][1:])
@@ -47,10 +47,8 @@ def test_dummy_is_deterministic(tmp_path):
 
 
 def test_megatron_type_is_a_gpt_dataset_or_a_blend(tmp_path, prefix):
-    config = DatasetConfig(
-        type="megatron", seq_length=64, path=prefix, split="valid", cache_dir=str(tmp_path)
-    )
-    dataset = build_dataset(config)
+    config = DatasetConfig(type="megatron", seq_length=64, path=prefix, cache_dir=str(tmp_path))
+    dataset = build_dataset(config, "valid")
     _check_contract(dataset, 64)
     direct = GPTDataset(
         prefix, "valid", None, GPTDatasetConfig(seq_length=64, cache_dir=str(tmp_path))
@@ -61,9 +59,9 @@ def test_megatron_type_is_a_gpt_dataset_or_a_blend(tmp_path, prefix):
             type="megatron",
             seq_length=64,
             path=f"0.5 {prefix} 0.5 {prefix}",
-            num_samples=300,
             cache_dir=str(tmp_path),
-        )
+        ),
+        num_samples=300,
     )
     assert len(blend) == 300
     assert set(np.unique(blend.dataset_index).tolist()) == {0, 1}

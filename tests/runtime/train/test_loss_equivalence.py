@@ -47,10 +47,10 @@ def _loss_tokens_differ(overrides: list[str]) -> bool:
             seq_length=32,
             path=values["data.path"],
             tokenizer=values["data.tokenizer"],
-            num_samples=4 * STEPS,
             eod_mask_loss=True,
             cache_dir=values["data.cache_dir"],
-        )
+        ),
+        num_samples=4 * STEPS,
     )
     counts = [float(dataset[i]["loss_mask"].sum()) for i in range(4 * STEPS)]
     return len(set(counts)) > 1

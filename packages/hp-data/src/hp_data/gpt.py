@@ -56,7 +56,8 @@ class GPTDatasetConfig:
             )
         if not 0 <= self.seed < 2**32:
             raise IndexBuildError(f"seed {self.seed}: give a seed from 0 to 2**32 - 1")
-        parse_split(self.split)
+        if self.split is not None:  # a subclass's None: shares resolved later
+            parse_split(self.split)
 
 
 def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,27 +24,23 @@ from hp_data.gpt import GPTDataset, GPTDatasetConfig, corpus_fingerprint
 from hp_data.index import SPLITS, parse_split
 
 
-@dataclass(frozen=True)
-class DatasetConfig:
-    """One typed config for every dataset type (fields a type does not use are ignored)."""
+@dataclass(frozen=True, kw_only=True)
+class DatasetConfig(GPTDatasetConfig):
+    """A corpus of one dataset type and the samples cut from it: GPTDataset's own config (how
+    samples are shaped, `split` the train,valid,test shares) plus where the tokens come from.
+    Which split to build and how many samples are `build_dataset`'s arguments, as they are
+    GPTDataset's. Fields a type does not use are ignored. hp-train's `[data]` section is this
+    type (its `key_prefix` names its fields in messages)."""
+
+    key_prefix: ClassVar[str] = ""  # how messages name the fields (hp-train's "data.")
 
     type: str
-    seq_length: int
     path: str | None = None  # prefix or blend spec; JSONL file; HF dataset directory
     tokenizer: str | None = None  # json_file and hf_datasets
-    split: str = "train"  # which split to return
-    split_shares: str | None = None  # train,valid,test shares; None: the type's default
-    num_samples: int | None = None  # None: one epoch (dummy: 10,000)
-    seed: int = 1234
-    vocab_size: int = 32000  # dummy
+    split: str | None = None  # train,valid,test shares of `path`; None: the type's default
     text_key: str = "text"
-    text_key_name: str = "text_key"  # how messages name text_key (hp-train: "data.text_key")
-    eod_token: int | None = None  # megatron: for eod_mask_loss / reset_position_ids
+    vocab_size: int = 32000  # dummy: token ids are drawn below it
     input_format: str | None = None  # hf_datasets: "hf-saved" (default detection) or "hf"
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    return_cu_seqlens: bool = False
-    cache_dir: str | None = None
     workers: int | None = None  # json_file, hf_datasets: tokenizer processes (None: all cores)
 
 
@@ -71,23 +67,15 @@ class DummyDataset:
         }
 
 
-def _gpt_config(config: DatasetConfig, eod: int | None) -> GPTDatasetConfig:
-    return GPTDatasetConfig(
-        seq_length=config.seq_length,
-        seed=config.seed,
-        split=split_shares(config),  # type: ignore[arg-type]
-        eod_token=eod,
-        eod_mask_loss=config.eod_mask_loss,
-        reset_position_ids=config.reset_position_ids,
-        return_cu_seqlens=config.return_cu_seqlens,
-        cache_dir=config.cache_dir,
-    )
+def _split_of(split: str) -> int:
+    if split not in SPLITS:
+        raise HpDataError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+    return SPLITS.index(split)
 
 
-def _split_of(config: DatasetConfig) -> int:
-    if config.split not in SPLITS:
-        raise HpDataError(f"split {config.split!r}: use one of {', '.join(SPLITS)}")
-    return SPLITS.index(config.split)
+def _samples_config(config: DatasetConfig, eod: int | None) -> DatasetConfig:
+    """`config` as GPTDataset reads it: the shares resolved, the EOD id the corpus uses."""
+    return replace(config, split=split_shares(config), eod_token=eod)
 
 
 def _require_path(config: DatasetConfig, *, tokenizer: bool = False) -> str:
@@ -131,7 +119,7 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
                 config.tokenizer,
                 PreprocessOptions(  # type: ignore[arg-type]
                     json_keys=(config.text_key,),
-                    keys_option=config.text_key_name,
+                    keys_option=config.key_prefix + "text_key",
                     append_eod=True,
                     input_format=input_format,
                     show_progress=False,
@@ -142,30 +130,31 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     return prefix, files.special_id(tokenizer, "eos", None)
 
 
-def _dummy(config: DatasetConfig) -> DummyDataset:
-    count = 10_000 if config.num_samples is None else config.num_samples
-    return DummyDataset(count, config.seq_length, config.vocab_size, config.seed)
+def _dummy(config: DatasetConfig, split: str, num_samples: int | None) -> DummyDataset:
+    count = 10_000 if num_samples is None else num_samples
+    return DummyDataset(count, config.seq_length, config.vocab_size, split_seed(config, split))
 
 
-def _packed(config: DatasetConfig, input_format: str | None) -> GPTDataset:
+def _packed(
+    config: DatasetConfig, split: str, num_samples: int | None, input_format: str | None
+) -> GPTDataset:
     """A tokenized corpus packed into samples."""
     prefix, eod = _tokenized(config, input_format)
-    return GPTDataset(prefix, config.split, config.num_samples, _gpt_config(config, eod))
+    return GPTDataset(prefix, split, num_samples, _samples_config(config, eod))
 
 
-def _megatron(config: DatasetConfig) -> Any:
+def _megatron(config: DatasetConfig, split: str, num_samples: int | None) -> Any:
     spec = _require_path(config)
-    if not has_split(config):
-        raise HpDataError(f"split {config.split!r} has a zero share in {split_shares(config)!r}")
-    gpt_config = _gpt_config(config, config.eod_token)
-    return build_split(spec, gpt_config, config.split, config.num_samples)
+    if not has_split(config, split):
+        raise HpDataError(f"split {split!r} has a zero share in {split_shares(config)!r}")
+    return build_split(spec, _samples_config(config, config.eod_token), split, num_samples)
 
 
 @dataclass(frozen=True)
 class DatasetType:
     """What hp-data knows of one dataset type: how to build it, what it needs, how it splits."""
 
-    build: Callable[[DatasetConfig], Any]
+    build: Callable[[DatasetConfig, str, int | None], Any]  # (config, split, num_samples)
     needs_path: bool = True
     needs_tokenizer: bool = False  # tokenized by hp-data on first use (into the cache)
     default_shares: str | None = "969,30,1"  # Megatron's; None: no splits (any split is there)
@@ -175,12 +164,14 @@ DATASET_REGISTRY: dict[str, DatasetType] = {
     "dummy": DatasetType(_dummy, needs_path=False, default_shares=None),
     # A file trains whole unless shares are given: Megatron's default split is for prefixes.
     "hf_datasets": DatasetType(
-        lambda config: _packed(config, config.input_format),
+        lambda config, split, count: _packed(config, split, count, config.input_format),
         needs_tokenizer=True,
         default_shares="1,0,0",
     ),
     "json_file": DatasetType(
-        lambda config: _packed(config, None), needs_tokenizer=True, default_shares="1,0,0"
+        lambda config, split, count: _packed(config, split, count, None),
+        needs_tokenizer=True,
+        default_shares="1,0,0",
     ),
     "megatron": DatasetType(_megatron),
 }
@@ -201,25 +192,33 @@ def split_shares(config: DatasetConfig) -> str | None:
     type's default; None for a type without splits."""
     if dataset_type(config.type).default_shares is None:
         return None
-    return config.split_shares or dataset_type(config.type).default_shares
+    return config.split or dataset_type(config.type).default_shares
 
 
-def has_split(config: DatasetConfig, split: str | None = None) -> bool:
-    """Whether `split` (default: `config.split`) has a share of the data to draw from."""
+def has_split(config: DatasetConfig, split: str) -> bool:
+    """Whether `split` has a share of the data to draw from."""
     shares = split_shares(config)
-    return shares is None or parse_split(shares)[SPLITS.index(split or config.split)] > 0
+    return shares is None or parse_split(shares)[_split_of(split)] > 0
 
 
-def dataset_identity(dataset: Any, config: DatasetConfig) -> dict[str, Any]:
-    """What identifies the samples of `dataset` (built from `config`), whatever their number:
-    each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights, seed,
-    length, split. A resume compares it; the index cache key (which also covers the sample
-    count) is kept under `index_key` for reference."""
+def split_seed(config: DatasetConfig, split: str) -> int:
+    """The seed `split`'s samples are drawn with: a type without splits draws each split from
+    a seed of its own (its validation samples are not its training samples)."""
+    if dataset_type(config.type).default_shares is None:
+        return config.seed + _split_of(split)
+    return config.seed
+
+
+def dataset_identity(dataset: Any, config: DatasetConfig, split: str) -> dict[str, Any]:
+    """What identifies the samples of `dataset` (`split` built from `config`), whatever their
+    number: each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights,
+    seed, length, split. A resume compares it; the index cache key (which also covers the
+    sample count) is kept under `index_key` for reference."""
     out: dict[str, Any] = {
         "type": config.type,
         "seq_length": config.seq_length,
-        "seed": config.seed,
-        "split": config.split,
+        "seed": split_seed(config, split),
+        "split": split,
         "split_shares": split_shares(config),
         "vocab_size": config.vocab_size,
     }
@@ -234,10 +233,9 @@ def dataset_identity(dataset: Any, config: DatasetConfig) -> dict[str, Any]:
     return out
 
 
-def build_dataset(config: DatasetConfig) -> Any:
-    """The dataset `config` describes; an unknown type lists the valid ones."""
+def build_dataset(config: DatasetConfig, split: str = "train", num_samples: int | None = None) -> Any:
+    """`num_samples` samples (None: one epoch; dummy: 10,000) of `split` of the dataset `config`
+    describes; an unknown type lists the valid ones."""
     kind = dataset_type(config.type)
-    _split_of(config)
-    if not 0 <= config.seed < 2**32:
-        raise HpDataError(f"seed {config.seed}: give a seed from 0 to 2**32 - 1")
-    return kind.build(config)
+    _split_of(split)
+    return kind.build(config, split, num_samples)

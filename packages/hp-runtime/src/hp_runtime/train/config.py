@@ -17,11 +17,13 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+from hp_data.errors import HpDataError
 from hp_data.redact import redact
-from hp_data.registry import DATASET_REGISTRY, dataset_type
+from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
 from hp_runtime.model import PRESETS, ModelConfig
 from hp_runtime.parallel import ParallelDims, ParallelOptions
@@ -32,20 +34,27 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig:
+class DataConfig(DatasetConfig):
+    """The `[data]` section is hp-data's own dataset config (its keys are its fields: type,
+    path, tokenizer, seq_length, split, seed, cache_dir, eod_mask_loss, reset_position_ids,
+    eod_token, text_key) plus what the trainer adds around it. The library fields in `fixed`
+    are not keys: hp-train keeps Megatron's defaults, and draws `dummy` ids below
+    `model.vocab_size`."""
+
+    key_prefix: ClassVar[str] = "data."
+    fixed: ClassVar[tuple[str, ...]] = (
+        "add_extra_token",
+        "drop_last_partial_validation_sequence",
+        "pad_token",
+        "return_cu_seqlens",
+        "vocab_size",
+        "input_format",
+        "workers",
+    )
+
     type: Literal[tuple(DATASET_REGISTRY)]  # hp-data's dataset types
-    path: str | None = None  # prefix, Megatron blend "0.3 /a 0.7 /b", JSONL file, HF dir
-    tokenizer: str | None = None  # tokenizer.json (json_file, hf_datasets)
-    seq_length: int
-    split: str | None = None  # train,valid,test shares of `path`; default: the type's
     valid_path: str | None = None  # a separate validation corpus, used whole
-    seed: int = 1234  # shuffles the samples (Megatron's --seed for the data)
-    cache_dir: str | None = None  # index cache; default RUN_DIR/index-cache
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
     document_masking: bool = False  # attention stays inside documents (from position ids)
-    eod_token: int | None = None  # megatron type: for eod_mask_loss / reset_position_ids
-    text_key: str = "text"
     num_workers: int | None = None  # DataLoader workers; default 1 on a multi-core machine
     prefetch_factor: int = 4  # micro-batches each worker keeps ready
 
@@ -138,9 +147,16 @@ def key_of(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
+def key_fields(section: Any) -> list[dataclasses.Field]:
+    """The fields of a section (class or instance) that are keys: all but those a library
+    type carries and the section keeps `fixed`."""
+    fixed = getattr(section, "fixed", ())
+    return [f for f in fields(section) if f.name not in fixed]
+
+
 def _key_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {key_of(f): hints[f.name] for f in fields(cls)}
+    return {key_of(f): hints[f.name] for f in key_fields(cls)}
 
 
 def _all_key_types() -> dict[str, dict[str, Any]]:
@@ -415,6 +431,9 @@ def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
         allowed = RANGES.get(f"{section}.{key}")
         if allowed is not None and out[key] is not None and out[key] not in allowed:
             raise ConfigError(f"{section}.{key}: must be {allowed}, got {out[key]}")
+        form = FORMS.get(f"{section}.{key}")
+        if form is not None and out[key] is not None:
+            form(out[key])
     return out
 
 
@@ -422,7 +441,7 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     typed = _typed(section, values)
     missing = [
         key_of(f)
-        for f in fields(cls)
+        for f in key_fields(cls)
         if key_of(f) not in typed
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
@@ -432,7 +451,10 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
             f"{section}.{missing[0]}: required; set it in the config file or as "
             f"{section}.{missing[0]}=VALUE"
         )
-    return cls(**{f.name: typed[key_of(f)] for f in fields(cls) if key_of(f) in typed})
+    try:
+        return cls(**{f.name: typed[key_of(f)] for f in key_fields(cls) if key_of(f) in typed})
+    except HpDataError as exc:  # a library type's own check (e.g. a length past its bound)
+        raise ConfigError(f"{section}: {_reason(exc)}") from None
 
 
 def build_model(values: dict[str, Any]) -> tuple[str, ModelConfig, str | None]:
@@ -536,7 +558,6 @@ def _writable_dir(key: str, path: str) -> None:
 
 def _need_corpus(key: str, config: Config, spec: str) -> None:
     """A megatron prefix or blend, or a json_file / hf_datasets input, that exists."""
-    from hp_data.errors import HpDataError
     from hp_data.format.commit import journal_path
     from hp_data.format.header import prefix_of
     from hp_data.remote import is_url
@@ -581,7 +602,6 @@ def check_paths(config: Config) -> None:
             if spec is not None:
                 _need_corpus(key, config, spec)
     if dataset_type(data.type).needs_tokenizer and data.tokenizer is not None:
-        from hp_data.errors import HpDataError
         from hp_data.tokenize import TokenizerFiles
 
         try:
@@ -632,8 +652,6 @@ def check(config: Config) -> None:
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
             f"is more than hp-train's {MAX_PARAMS:.3g}"
         )
-    if data.split is not None:
-        _check_split(data.split)
     if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
         raise ConfigError(
             "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "
@@ -642,7 +660,6 @@ def check(config: Config) -> None:
 
 
 def _check_split(split: str) -> None:
-    from hp_data.errors import HpDataError
     from hp_data.index import parse_split
 
     try:
@@ -652,6 +669,10 @@ def _check_split(split: str) -> None:
             f"data.split: expected up to three non-negative shares, not all zero, such as "
             f'"969,30,1"; got {_shown(split)}'
         ) from None
+
+
+# Text keys with a form of their own, checked as they are read (as numbers are, by `RANGES`).
+FORMS: dict[str, Callable[[Any], None]] = {"data.split": _check_split}
 
 
 def _toml_value(value: Any) -> str:
@@ -674,7 +695,7 @@ def to_toml(config: Config) -> str:
     for name, section in sections:
         if name != "model":
             lines += ["", f"[{name}]"]
-        for item in fields(section):
+        for item in key_fields(section):
             value = getattr(section, item.name)
             if value is None:
                 lines.append(f"# {key_of(item)} = (none)")

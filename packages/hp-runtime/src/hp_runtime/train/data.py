@@ -24,7 +24,6 @@ from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.registry import (
-    DatasetConfig,
     build_dataset,
     dataset_identity,
     dataset_type,
@@ -35,7 +34,7 @@ from hp_data.token_ids import token_ids
 from hp_data.tokenize import TokenizerFiles, vocab_size
 from hp_data.torch import make_dataloader
 
-from hp_runtime.train.config import Config, ConfigError
+from hp_runtime.train.config import Config, ConfigError, DataConfig
 from hp_runtime.train.launch import Runtime, TrainError, agree
 
 Batch = dict[str, torch.Tensor]
@@ -90,29 +89,20 @@ def sample_counts(config: Config, plan: BatchPlan) -> tuple[int, int]:
     return train, valid
 
 
-def _registry_config(config: Config, split: str, num_samples: int, run_dir: str) -> DatasetConfig:
+def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, DataConfig]:
+    """The data config each split is built from: `[data]` itself, its index cache under
+    RUN_DIR unless `data.cache_dir` says otherwise and `dummy` ids below `model.vocab_size`;
+    validation from `data.valid_path`, used whole, when one is given."""
     d = config.data
-    path, shares = d.path, d.split
-    if split == "valid" and d.valid_path:
-        path, shares = d.valid_path, "0,1,0"
-    return DatasetConfig(
-        type=d.type,
-        seq_length=d.seq_length,
-        path=path,
-        tokenizer=d.tokenizer,
-        split=split,
-        split_shares=shares,
-        num_samples=num_samples,
-        # The dummy type has no splits: its validation samples come from another seed.
-        seed=d.seed + (1 if d.type == "dummy" and split == "valid" else 0),
-        vocab_size=config.model.vocab_size,
-        text_key=d.text_key,
-        text_key_name="data.text_key",
-        eod_token=d.eod_token,
-        eod_mask_loss=d.eod_mask_loss,
-        reset_position_ids=d.reset_position_ids,
+    d = replace(
+        d,
         cache_dir=d.cache_dir or os.path.join(run_dir, "index-cache"),
+        vocab_size=config.model.vocab_size,
     )
+    configs = {"train": d}
+    if validation:
+        configs["valid"] = replace(d, path=d.valid_path, split="0,1,0") if d.valid_path else d
+    return configs
 
 
 def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
@@ -184,7 +174,7 @@ def _too_small(config: Config, where: str, largest: int, vocabulary: Any) -> Tra
     )
 
 
-def check_data(config: Config, configs: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
+def check_data(config: Config, configs: dict[str, DataConfig]) -> dict[str, DataConfig]:
     """Before the first step: every token id the run can read fits model.vocab_size (an id
     beyond the embedding fails at the first sample holding it, on a GPU as a device-side
     assert), and the EOD id is known where a key needs one. Returns `configs` with the EOD id
@@ -199,11 +189,11 @@ def check_data(config: Config, configs: dict[str, DatasetConfig]) -> dict[str, D
             raise _too_small(config, f"the tokenizer {d.tokenizer}", count - 1, count)
         return configs
     out = {}
-    for split, registry in configs.items():
+    for split, part in configs.items():
         key = "data.valid_path" if split == "valid" and d.valid_path else "data.path"
         recorded = {}
-        for prefix in _prefixes(key, registry.path):  # type: ignore[arg-type]
-            found = token_ids(prefix, registry.cache_dir, limit)
+        for prefix in _prefixes(key, part.path):  # type: ignore[arg-type]
+            found = token_ids(prefix, part.cache_dir, limit)
             recorded[prefix] = found.metadata
             if found.largest is not None and found.largest >= limit:
                 vocabulary = (found.metadata or {}).get("vocab_size")
@@ -213,7 +203,7 @@ def check_data(config: Config, configs: dict[str, DatasetConfig]) -> dict[str, D
                     f"{prefix} holds token id {found.smallest}: an embedding takes ids from 0 "
                     f"to model.vocab_size - 1; check how it was tokenized"
                 )
-        out[split] = replace(registry, eod_token=_resolve_eod(config, recorded))
+        out[split] = replace(part, eod_token=_resolve_eod(config, recorded))
     return out
 
 
@@ -230,11 +220,10 @@ def build_datasets(
 ) -> Datasets:
     """The train and validation datasets on ranks that `reads`; local rank 0 builds the index
     caches first (even when it reads nothing), the others load them after."""
-    train_samples, valid_samples = sample_counts(config, plan)
-    configs = {"train": _registry_config(config, "train", train_samples, run_dir)}
-    if valid_samples:
-        configs["valid"] = _registry_config(config, "valid", valid_samples, run_dir)
-        if not has_split(configs["valid"]):
+    counts = dict(zip(("train", "valid"), sample_counts(config, plan), strict=True))
+    configs = split_configs(config, run_dir, counts["valid"] > 0)
+    if "valid" in configs:
+        if not has_split(configs["valid"], "valid"):
             raise ConfigError(
                 f"train.eval_interval={config.train.eval_interval} needs validation data: give "
                 f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
@@ -244,8 +233,8 @@ def build_datasets(
 
     def build() -> None:
         configs.update(check_data(config, configs))
-        for split, registry in configs.items():
-            built[split] = build_dataset(registry)
+        for split, part in configs.items():
+            built[split] = build_dataset(part, split, counts[split])
 
     for turn in (True, False):  # local rank 0's turn, then everyone else's
         failure = None
@@ -260,7 +249,7 @@ def build_datasets(
                 failure = TrainError(f"data: {exc}")
         agree(failure, runtime)
     seconds = time.perf_counter() - start
-    keys = {split: dataset_identity(built[split], configs[split]) for split in built}
+    keys = {split: dataset_identity(built[split], configs[split], split) for split in built}
     return Datasets(built.get("train"), built.get("valid"), keys, seconds)
 
 
