@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from hp_data import IndexedDataset, PreprocessError
 from hp_data.cli import main
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
-from hp_data.tokenize import TokenizerFiles, choose_engine
+from hp_data.tokenize import TokenizerFiles, VerifiedEngine
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from tests.helpers.bpe import LLAMA3_PATTERN, corpus_texts, train_gpt2_style, train_llama3_style
@@ -144,7 +144,7 @@ def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
 ):
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
     corpus = _corpus(tmp_path, trap_line=7)
-    assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
+    assert VerifiedEngine.choose(TokenizerFiles.locate(trap), Tokenizer.from_file(trap)).fast
     with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
         _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap, trap_line=7)
     assert not list(tmp_path.glob(".*"))  # no work directory left behind

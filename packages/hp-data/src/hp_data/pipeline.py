@@ -35,7 +35,7 @@ import xxhash
 from hp_data import __version__
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
-from hp_data.fast_bpe import FastBPE, compare, pick
+from hp_data.fast_bpe import compare, pick
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
@@ -57,14 +57,7 @@ from hp_data.readers import (
 from hp_data.redact import redact_data
 from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, set_timeout
 from hp_data.shards import ShardTask
-from hp_data.tokenize import (
-    TokenizerFiles,
-    choose_engine,
-    fast_recipe,
-    frame_documents,
-    reference_engine,
-    vocab_size,
-)
+from hp_data.tokenize import TokenizerFiles, VerifiedEngine, frame_documents, vocab_size
 
 MANIFEST_VERSION = 1
 INVALID_EXAMPLES = 5
@@ -130,7 +123,7 @@ def output_prefixes(
 class _WorkerSpec:
     # Small on purpose: a spawned worker that dies before reading all of its start-up data
     # (a script re-run without a __main__ guard) would block the parent's write forever.
-    tokenizer: TokenizerFiles
+    engine: VerifiedEngine  # with the tokenizer's files; each worker builds its encoders
     keys: tuple[str, ...]
     dtype: str
     bos: int | None
@@ -139,7 +132,6 @@ class _WorkerSpec:
     dedup: bool
     stop_at_invalid: bool
     keys_option: str = KEYS_OPTION
-    fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
     max_chars: int | None = MAX_DOCUMENT_CHARS
     remote_timeout: float = DEFAULT_TIMEOUT
@@ -168,17 +160,14 @@ class _Result:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: _WorkerSpec, tokenizer: Any = None, recipe: FastBPE | None = None) -> None:
+def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _worker["spec"] = spec
     set_timeout(spec.remote_timeout)
-    reference = reference_engine(tokenizer or spec.tokenizer.load())
-    _worker["reference"] = reference
-    _worker["engine"] = reference
-    if spec.fast:
-        _worker["engine"] = (recipe or fast_recipe(spec.tokenizer)).engine()
+    tokenizer = tokenizer or spec.engine.files.load()
+    _worker["engine"], _worker["reference"] = spec.engine.engines(tokenizer)
 
 
 def _encode(
@@ -373,17 +362,13 @@ def _config_hash(tokenizer_hash: str, spec: _WorkerSpec, options: PreprocessOpti
 
 
 def _results(
-    work: Iterator[Chunk],
-    spec: _WorkerSpec,
-    workers: int,
-    tokenizer: Any,
-    recipe: FastBPE | None = None,
+    work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
 ) -> Iterator[_Result]:
     """Results of every chunk, in order; at most a few chunks in flight per worker. One
     worker runs here, with the main process's `tokenizer`. The fast engine is checked on
     the first documents of the first chunk, and on a sample of every chunk."""
     if workers <= 1:
-        _init_worker(spec, tokenizer, recipe)
+        _init_worker(spec, tokenizer)
         for number, chunk in enumerate(work):
             yield _work(chunk, number == 0)
         return
@@ -516,9 +501,11 @@ def preprocess(
             f"--dtype {dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
             f"use {optimal_dtype(vocabulary)} or wider"
         )
-    fast, probes = choose_engine(files, tokenizer, options.tokenizer_engine)
+    engine = VerifiedEngine.choose(files, tokenizer, options.tokenizer_engine)
+    if engine.notice is not None:
+        warnings.warn(engine.notice, stacklevel=2)
     spec = _WorkerSpec(
-        tokenizer=files,
+        engine=engine,
         keys=keys,
         dtype=str(dtype),
         bos=files.special_id(tokenizer, "bos", options.bos_token) if options.add_bos else None,
@@ -527,7 +514,6 @@ def preprocess(
         dedup=options.dedup == "exact",
         stop_at_invalid=not options.skip_invalid,
         keys_option=options.keys_option,
-        fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
         max_chars=options.max_document_chars,
         remote_timeout=options.remote_timeout,
@@ -560,8 +546,8 @@ def preprocess(
         already=sum(s.nbytes for s in shards[:resumed]),
     )
     run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
-    run.probes = probes if fast is not None else None
-    run.engine = "tiktoken" if fast is not None else reference_engine(tokenizer).name
+    run.probes = engine.probes
+    run.engine = engine.name
     try:
         cache = os.path.join(workdir.path, "hf-cache")
         quiet = not options.show_progress
@@ -573,16 +559,15 @@ def preprocess(
                 i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet, option
             )
         )
-        with contextlib.closing(_results(work, spec, options.workers, tokenizer, fast)) as results:
+        with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
             for result in results:
                 run.take(result)
     except EngineMismatch as exc:
         run.abort()
         workdir.remove()  # shards the fast engine wrote are suspect: none is reused
         progress.close()
-        if options.tokenizer_engine == "tiktoken" or any(s.path == STDIN for s in shards):
-            raise PreprocessError(f"{exc}; run again with --tokenizer-engine hf") from None
-        warnings.warn(f"{exc}; tokenizing everything again with tokenizers", stacklevel=2)
+        fallback = engine.fall_back(str(exc), not any(s.path == STDIN for s in shards))
+        warnings.warn(str(fallback.notice), stacklevel=2)
         options = replace(options, tokenizer_engine="hf")
         return preprocess(inputs, out_prefix, tokenizer_path, options)
     except BaseException:
