@@ -464,6 +464,56 @@ def preprocess(
     options = options or PreprocessOptions()
     refuse_reentry()
     started = time.perf_counter()
+    job = _prepare(inputs, out_prefix, tokenizer_path, options)
+    if isinstance(job, PreprocessSummary):  # a shard that an earlier run finished
+        return job
+    run = _tokenize(job)
+    return _commit(job, run, started)
+
+
+@dataclass
+class _Job:
+    """What `_prepare` decided, for `_tokenize` and `_commit`: the units, the outputs, the
+    tokenizer and its engine, and how much of an earlier run is taken up."""
+
+    options: PreprocessOptions
+    shards: list[Shard]  # the units this run tokenizes, in order
+    outputs: dict[str, str]  # key -> final prefix
+    dtype: np.dtype
+    tokenizer: Any  # loaded once here; the in-process worker uses it too
+    spec: _WorkerSpec
+    metadata: dict[str, Any]  # what made the outputs, for their PREFIX.hp.json
+    work_prefix: str  # what the work directory is named after: the output, or the shard
+    config: str  # _config_hash
+    task: ShardTask | None = None  # one shard of a run split over machines
+    workdir: _WorkDir = field(init=False)
+    resumed: int = 0  # leading units an earlier run finished
+    seen: HashSet | None = None  # hashes of the records kept so far, with --dedup exact
+
+    def resume(self) -> None:
+        """Open the work directory and take up the units an earlier run finished there."""
+        self.workdir = _WorkDir(self.work_prefix, self.config)
+        self.resumed = self.workdir.reusable(self.shards, self.spec.keys)
+        self.seen = seen = HashSet() if self.spec.dedup else None
+        for index in range(self.resumed if seen is not None else 0):
+            with open(self.workdir.hashes_path(index), "rb") as stream:
+                while len(block := np.fromfile(stream, dtype=np.uint64, count=2 << 20)):
+                    seen.add_new(block.reshape(-1, 2))
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks of every unit not done yet, in order."""
+        options, shards = self.options, self.shards
+        cache = os.path.join(self.workdir.path, "hf-cache")
+        quiet = not options.show_progress
+        for i in range(self.resumed, len(shards)):
+            yield from chunks(
+                i, shards[i], self.spec.keys, options.chunk_bytes, options.split, cache, quiet,
+                options.keys_option,
+            )  # fmt: skip
+
+
+def _check_options(options: PreprocessOptions) -> tuple[str, ...]:
+    """The run's keys, once the options that need no input are checked."""
     keys = tuple(options.json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PreprocessError(
@@ -473,6 +523,11 @@ def preprocess(
         raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
     if options.workers < 1:
         raise PreprocessError("--workers must be at least 1")
+    return keys
+
+
+def _plan(inputs: list[str], options: PreprocessOptions) -> list[Shard]:
+    """The inputs found, pinned and cut into the plan's units (plan.py)."""
     set_timeout(options.remote_timeout)
     found = discover(inputs, options.input_format)
     sharded = options.shard_index is not None
@@ -487,7 +542,26 @@ def preprocess(
         raise PreprocessError("--units and --unit-mb must be positive")
     if sharded:
         check_shardable(found)
-    units = plan_units(found, options.unit_bytes, options.units, options.num_shards)
+    return plan_units(found, options.unit_bytes, options.units, options.num_shards)
+
+
+def _warn(engine: VerifiedEngine) -> None:
+    """The engine's notice, as a warning from the caller of `preprocess`."""
+    if engine.notice is not None:
+        warnings.warn(engine.notice, stacklevel=4)
+
+
+def _prepare(
+    inputs: list[str],
+    out_prefix: str,
+    tokenizer_path: str | TokenizerFiles,
+    options: PreprocessOptions,
+) -> _Job | PreprocessSummary:
+    """Check the options, plan the inputs, choose the engine and take up an earlier run's
+    work: whatever refuses the run does so before its first token. A shard that an earlier
+    run finished is not done again: its summary is returned."""
+    keys = _check_options(options)
+    units = _plan(inputs, options)
     files = (
         tokenizer_path
         if isinstance(tokenizer_path, TokenizerFiles)
@@ -502,8 +576,7 @@ def preprocess(
             f"use {optimal_dtype(vocabulary)} or wider"
         )
     engine = VerifiedEngine.choose(files, tokenizer, options.tokenizer_engine)
-    if engine.notice is not None:
-        warnings.warn(engine.notice, stacklevel=2)
+    _warn(engine)
     spec = _WorkerSpec(
         engine=engine,
         keys=keys,
@@ -519,67 +592,8 @@ def preprocess(
         remote_timeout=options.remote_timeout,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
-    tokenizer_hash = files.content_hash()  # read once: the config key and the summary
+    tokenizer_hash = files.content_hash()  # read once: the config key and the metadata
     config = _config_hash(tokenizer_hash, spec, options)
-    task = None
-    shards = units
-    if sharded:
-        task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
-        shards = units[task.units.start : task.units.stop]
-        outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
-        done = task.finished(outputs)  # every input strongly pinned: check_shardable
-        if done is not None:  # a finished shard is not done again
-            return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
-        out_prefix = task.prefix
-    workdir = _WorkDir(out_prefix, config)
-    resumed = workdir.reusable(shards, keys)
-    seen = HashSet() if spec.dedup else None
-    for index in range(resumed if seen is not None else 0):
-        with open(workdir.hashes_path(index), "rb") as stream:
-            while len(block := np.fromfile(stream, dtype=np.uint64, count=2 << 20)):
-                seen.add_new(block.reshape(-1, 2))  # type: ignore[union-attr]
-
-    progress = Progress(
-        0 if any(s.path == STDIN for s in shards) else sum(s.nbytes for s in shards),
-        "preprocess",
-        enabled=options.show_progress,
-        already=sum(s.nbytes for s in shards[:resumed]),
-    )
-    run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
-    run.probes = engine.probes
-    run.engine = engine.name
-    try:
-        cache = os.path.join(workdir.path, "hf-cache")
-        quiet = not options.show_progress
-        option = options.keys_option
-        work = (
-            chunk
-            for i in range(resumed, len(shards))
-            for chunk in chunks(
-                i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet, option
-            )
-        )
-        with contextlib.closing(_results(work, spec, options.workers, tokenizer)) as results:
-            for result in results:
-                run.take(result)
-    except EngineMismatch as exc:
-        run.abort()
-        workdir.remove()  # shards the fast engine wrote are suspect: none is reused
-        progress.close()
-        fallback = engine.fall_back(str(exc), not any(s.path == STDIN for s in shards))
-        warnings.warn(str(fallback.notice), stacklevel=2)
-        options = replace(options, tokenizer_engine="hf")
-        return preprocess(inputs, out_prefix, tokenizer_path, options)
-    except BaseException:
-        run.abort()
-        if not workdir.manifest["shards"]:
-            workdir.remove()
-        else:
-            workdir.release()
-        raise
-    progress.close()
-
-    # Every key's output is complete before any is renamed into place, with what made it.
     metadata = {
         "schema": METADATA_SCHEMA,
         "written_by": f"hp-data {__version__}",
@@ -588,25 +602,88 @@ def preprocess(
         "eod": spec.eod,
         "bos": spec.bos,
     }
+    task, shards, work_prefix = None, units, out_prefix
+    if options.shard_index is not None:
+        task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
+        shards = units[task.units.start : task.units.stop]
+        outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
+        done = task.finished(outputs)  # every input strongly pinned: check_shardable
+        if done is not None:
+            return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
+        work_prefix = task.prefix
+    job = _Job(
+        options, shards, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task
+    )
+    job.resume()
+    return job
+
+
+def _tokenize(job: _Job) -> _Run:
+    """Every unit not done yet, through the workers into the work directory. Where the
+    tiktoken engine gave other ids than tokenizers on a document, what it wrote is suspect:
+    the work directory goes, and every unit is tokenized again with tokenizers, or the run
+    stops (`VerifiedEngine.fall_back`)."""
+    options, shards, spec = job.options, job.shards, job.spec
+    stdin = any(s.path == STDIN for s in shards)
+    while True:
+        progress = Progress(
+            0 if stdin else sum(s.nbytes for s in shards),
+            "preprocess",
+            enabled=options.show_progress,
+            already=sum(s.nbytes for s in shards[: job.resumed]),
+        )
+        run = _Run(
+            job.workdir, shards, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
+        )
+        try:
+            results = _results(job.chunks(), spec, options.workers, job.tokenizer)
+            with contextlib.closing(results):
+                for result in results:
+                    run.take(result)
+        except EngineMismatch as exc:
+            run.abort()
+            job.workdir.remove()  # shards the fast engine wrote are suspect: none is reused
+            progress.close()
+            spec = job.spec = replace(spec, engine=spec.engine.fall_back(str(exc), not stdin))
+            _warn(spec.engine)
+            job.resume()
+            continue
+        except BaseException:
+            run.abort()
+            if not job.workdir.manifest["shards"]:
+                job.workdir.remove()
+            else:
+                job.workdir.release()
+            raise
+        progress.close()
+        return run
+
+
+def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
+    """Every key's output complete, with what made it, before any is renamed into place; a
+    shard's hashes and manifest after its datasets; the work directory last."""
+    workdir, outputs = job.workdir, job.outputs
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     finals = [
-        IndexedDatasetBuilder(final, dtype, metadata={**metadata, **_max_token_id(stats, key)})
+        IndexedDatasetBuilder(
+            final, job.dtype, metadata={**job.metadata, **_max_token_id(stats, key)}
+        )
         for key, final in outputs.items()
     ]
     try:
         for key, builder in zip(outputs, finals, strict=True):
-            for index in range(len(shards)):
+            for index in range(len(job.shards)):
                 builder.add_index(workdir.shard_prefix(index, key))
     except BaseException:
         for builder in finals:
             builder.abort()
         raise
     finalize_together(finals)
-    summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
-    summary.tokenizer = metadata["tokenizer"]
-    if task is not None:  # the shard's hashes and manifest, after its datasets
-        hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
-        task.commit(outputs, hashes, summary.__dict__)
+    summary = _summarize(stats, job, run, started)
+    if job.task is not None:  # the shard's hashes and manifest, after its datasets
+        count = len(job.shards)
+        hashes = [workdir.hashes_path(i) for i in range(count)] if job.spec.dedup else None
+        job.task.commit(outputs, hashes, summary.__dict__)
     workdir.remove()
     return summary
 
@@ -643,8 +720,6 @@ class _Run:
         self.input_bytes = 0
         self.documents = 0
         self.tokens = 0
-        self.probes: int | None = None  # probe texts the fast engine passed; None: not used
-        self.engine = "hf"  # the name of the engine that runs
 
     def _open(self, index: int) -> None:
         self.current = index
@@ -725,17 +800,8 @@ class _Run:
             self.hashes.close()
 
 
-def _summarize(
-    stats: list[_ShardStats],
-    outputs: dict[str, str],
-    dtype: np.dtype,
-    options: PreprocessOptions,
-    shards: list[Shard],
-    resumed: int,
-    seen: HashSet | None,
-    run: _Run,
-    started: float,
-) -> PreprocessSummary:
+def _summarize(stats: list[_ShardStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:
+    outputs, seen = job.outputs, job.seen
     invalid: dict[str, int] = {}
     for shard_stats in stats:
         for kind, count in shard_stats.invalid.items():
@@ -743,10 +809,10 @@ def _summarize(
     tokens_by_key = {key: sum(s.tokens.get(key, 0) for s in stats) for key in outputs}
     return PreprocessSummary(
         outputs=outputs,
-        dtype=str(dtype),
-        workers=options.workers,
-        shards=len(shards),
-        resumed_shards=resumed,
+        dtype=str(job.dtype),
+        workers=job.options.workers,
+        shards=len(job.shards),
+        resumed_shards=job.resumed,
         documents_in=sum(s.records for s in stats),
         documents_written=sum(s.written for s in stats),
         skipped={
@@ -763,9 +829,10 @@ def _summarize(
         input_bytes=run.input_bytes,
         seconds=round(time.perf_counter() - started, 3),
         dedup_hash_set_bytes=seen.nbytes if seen is not None else None,
-        engine=run.engine,
-        probe_texts=run.probes or 0,
+        engine=job.spec.engine.name,
+        probe_texts=job.spec.engine.probes,
         verified_documents=sum(s.verified for s in stats),
+        tokenizer=job.metadata["tokenizer"],
     )
 
 
