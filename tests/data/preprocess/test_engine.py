@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from hp_data import IndexedDataset, PreprocessError
 from hp_data.cli import main
 from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
-from hp_data.tokenize import TokenizerFiles, choose_engine
+from hp_data.shards import merge_shards
+from hp_data.tokenize import TokenizerFiles, VerifiedEngine
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
 from tests.helpers.bpe import LLAMA3_PATTERN, corpus_texts, train_gpt2_style, train_llama3_style
@@ -144,10 +145,30 @@ def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
 ):
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
     corpus = _corpus(tmp_path, trap_line=7)
-    assert choose_engine(TokenizerFiles.locate(trap), Tokenizer.from_file(trap))[0] is not None
+    assert VerifiedEngine.choose(TokenizerFiles.locate(trap), Tokenizer.from_file(trap)).fast
     with pytest.warns(UserWarning, match=r"c\.jsonl:7: the tiktoken engine gave other ids"):
         _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap, trap_line=7)
     assert not list(tmp_path.glob(".*"))  # no work directory left behind
+
+
+def test_a_shard_that_falls_back_keeps_its_name(tmp_path, example_tokenizer, unproven):
+    """One machine of a split run meets the difference during its run: it tokenizes its
+    units again with tokenizers under its own shard name, so that the merge finds it and
+    equals an hf run on one machine."""
+    trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
+    corpus = _corpus(tmp_path, trap_line=7)
+    warned = []
+    for index in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_preprocess([corpus], tmp_path / "split", trap, units=2, num_shards=2,
+                           shard_index=index)  # fmt: skip
+        warned.append([str(warning.message) for warning in caught])
+    assert len(warned[0]) == 1 and "c.jsonl:7: the tiktoken engine gave other ids" in warned[0][0]
+    assert warned[1] == []  # line 7 is in shard 0's units only
+    merge_shards(str(tmp_path / "split"))
+    run_preprocess([corpus], tmp_path / "hf", trap, tokenizer_engine="hf")
+    assert read_bytes(tmp_path / "split", metadata=True) == read_bytes(tmp_path / "hf", True)
 
 
 def test_forced_tiktoken_stops_at_the_document(tmp_path, example_tokenizer, unproven):

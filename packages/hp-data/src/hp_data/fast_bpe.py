@@ -92,7 +92,8 @@ def _to_latin1() -> dict[int, int]:
 
 @dataclass(frozen=True)
 class FastBPE:
-    """A picklable recipe for the `tiktoken` engine: built once, sent to every worker."""
+    """The recipe for the `tiktoken` engine, built once per process: a worker converts the
+    tokenizer again rather than receive it, so that its start-up data stays small."""
 
     pattern: str
     ranks: dict[bytes, int]  # mergeable bytes -> rank (merge priority)

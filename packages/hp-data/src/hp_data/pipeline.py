@@ -35,7 +35,7 @@ import xxhash
 from hp_data import __version__
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
-from hp_data.fast_bpe import FastBPE, compare, pick
+from hp_data.fast_bpe import compare, pick
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
@@ -57,14 +57,7 @@ from hp_data.readers import (
 from hp_data.redact import redact_data
 from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, set_timeout
 from hp_data.shards import ShardTask
-from hp_data.tokenize import (
-    TokenizerFiles,
-    choose_engine,
-    fast_recipe,
-    frame_documents,
-    reference_engine,
-    vocab_size,
-)
+from hp_data.tokenize import TokenizerFiles, VerifiedEngine, frame_documents, vocab_size
 
 MANIFEST_VERSION = 1
 INVALID_EXAMPLES = 5
@@ -130,7 +123,7 @@ def output_prefixes(
 class _WorkerSpec:
     # Small on purpose: a spawned worker that dies before reading all of its start-up data
     # (a script re-run without a __main__ guard) would block the parent's write forever.
-    tokenizer: TokenizerFiles
+    engine: VerifiedEngine  # with the tokenizer's files; each worker builds its encoders
     keys: tuple[str, ...]
     dtype: str
     bos: int | None
@@ -139,7 +132,6 @@ class _WorkerSpec:
     dedup: bool
     stop_at_invalid: bool
     keys_option: str = KEYS_OPTION
-    fast: bool = False  # tokenize with tiktoken (each worker converts the tokenizer again)
     verify_every: int = VERIFY_EVERY
     max_chars: int | None = MAX_DOCUMENT_CHARS
     remote_timeout: float = DEFAULT_TIMEOUT
@@ -168,17 +160,14 @@ class _Result:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: _WorkerSpec, tokenizer: Any = None, recipe: FastBPE | None = None) -> None:
+def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _worker["spec"] = spec
     set_timeout(spec.remote_timeout)
-    reference = reference_engine(tokenizer or spec.tokenizer.load())
-    _worker["reference"] = reference
-    _worker["engine"] = reference
-    if spec.fast:
-        _worker["engine"] = (recipe or fast_recipe(spec.tokenizer)).engine()
+    tokenizer = tokenizer or spec.engine.files.load()
+    _worker["engine"], _worker["reference"] = spec.engine.engines(tokenizer)
 
 
 def _encode(
@@ -373,17 +362,13 @@ def _config_hash(tokenizer_hash: str, spec: _WorkerSpec, options: PreprocessOpti
 
 
 def _results(
-    work: Iterator[Chunk],
-    spec: _WorkerSpec,
-    workers: int,
-    tokenizer: Any,
-    recipe: FastBPE | None = None,
+    work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
 ) -> Iterator[_Result]:
     """Results of every chunk, in order; at most a few chunks in flight per worker. One
     worker runs here, with the main process's `tokenizer`. The fast engine is checked on
     the first documents of the first chunk, and on a sample of every chunk."""
     if workers <= 1:
-        _init_worker(spec, tokenizer, recipe)
+        _init_worker(spec, tokenizer)
         for number, chunk in enumerate(work):
             yield _work(chunk, number == 0)
         return
@@ -479,6 +464,56 @@ def preprocess(
     options = options or PreprocessOptions()
     refuse_reentry()
     started = time.perf_counter()
+    job = _prepare(inputs, out_prefix, tokenizer_path, options)
+    if isinstance(job, PreprocessSummary):  # a shard that an earlier run finished
+        return job
+    run = _tokenize(job)
+    return _commit(job, run, started)
+
+
+@dataclass
+class _Job:
+    """What `_prepare` decided, for `_tokenize` and `_commit`: the units, the outputs, the
+    tokenizer and its engine, and how much of an earlier run is taken up."""
+
+    options: PreprocessOptions
+    shards: list[Shard]  # the units this run tokenizes, in order
+    outputs: dict[str, str]  # key -> final prefix
+    dtype: np.dtype
+    tokenizer: Any  # loaded once here; the in-process worker uses it too
+    spec: _WorkerSpec
+    metadata: dict[str, Any]  # what made the outputs, for their PREFIX.hp.json
+    work_prefix: str  # what the work directory is named after: the output, or the shard
+    config: str  # _config_hash
+    task: ShardTask | None = None  # one shard of a run split over machines
+    workdir: _WorkDir = field(init=False)
+    resumed: int = 0  # leading units an earlier run finished
+    seen: HashSet | None = None  # hashes of the records kept so far, with --dedup exact
+
+    def resume(self) -> None:
+        """Open the work directory and take up the units an earlier run finished there."""
+        self.workdir = _WorkDir(self.work_prefix, self.config)
+        self.resumed = self.workdir.reusable(self.shards, self.spec.keys)
+        self.seen = seen = HashSet() if self.spec.dedup else None
+        for index in range(self.resumed if seen is not None else 0):
+            with open(self.workdir.hashes_path(index), "rb") as stream:
+                while len(block := np.fromfile(stream, dtype=np.uint64, count=2 << 20)):
+                    seen.add_new(block.reshape(-1, 2))
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks of every unit not done yet, in order."""
+        options, shards = self.options, self.shards
+        cache = os.path.join(self.workdir.path, "hf-cache")
+        quiet = not options.show_progress
+        for i in range(self.resumed, len(shards)):
+            yield from chunks(
+                i, shards[i], self.spec.keys, options.chunk_bytes, options.split, cache, quiet,
+                options.keys_option,
+            )  # fmt: skip
+
+
+def _check_options(options: PreprocessOptions) -> tuple[str, ...]:
+    """The run's keys, once the options that need no input are checked."""
     keys = tuple(options.json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PreprocessError(
@@ -488,6 +523,11 @@ def preprocess(
         raise PreprocessError(f"--dedup {options.dedup!r} is not supported; use 'exact'")
     if options.workers < 1:
         raise PreprocessError("--workers must be at least 1")
+    return keys
+
+
+def _plan(inputs: list[str], options: PreprocessOptions) -> list[Shard]:
+    """The inputs found, pinned and cut into the plan's units (plan.py)."""
     set_timeout(options.remote_timeout)
     found = discover(inputs, options.input_format)
     sharded = options.shard_index is not None
@@ -502,7 +542,26 @@ def preprocess(
         raise PreprocessError("--units and --unit-mb must be positive")
     if sharded:
         check_shardable(found)
-    units = plan_units(found, options.unit_bytes, options.units, options.num_shards)
+    return plan_units(found, options.unit_bytes, options.units, options.num_shards)
+
+
+def _warn(engine: VerifiedEngine) -> None:
+    """The engine's notice, as a warning from the caller of `preprocess`."""
+    if engine.notice is not None:
+        warnings.warn(engine.notice, stacklevel=4)
+
+
+def _prepare(
+    inputs: list[str],
+    out_prefix: str,
+    tokenizer_path: str | TokenizerFiles,
+    options: PreprocessOptions,
+) -> _Job | PreprocessSummary:
+    """Check the options, plan the inputs, choose the engine and take up an earlier run's
+    work: whatever refuses the run does so before its first token. A shard that an earlier
+    run finished is not done again: its summary is returned."""
+    keys = _check_options(options)
+    units = _plan(inputs, options)
     files = (
         tokenizer_path
         if isinstance(tokenizer_path, TokenizerFiles)
@@ -516,9 +575,10 @@ def preprocess(
             f"--dtype {dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
             f"use {optimal_dtype(vocabulary)} or wider"
         )
-    fast, probes = choose_engine(files, tokenizer, options.tokenizer_engine)
+    engine = VerifiedEngine.choose(files, tokenizer, options.tokenizer_engine)
+    _warn(engine)
     spec = _WorkerSpec(
-        tokenizer=files,
+        engine=engine,
         keys=keys,
         dtype=str(dtype),
         bos=files.special_id(tokenizer, "bos", options.bos_token) if options.add_bos else None,
@@ -527,74 +587,13 @@ def preprocess(
         dedup=options.dedup == "exact",
         stop_at_invalid=not options.skip_invalid,
         keys_option=options.keys_option,
-        fast=fast is not None,
         verify_every=1 if options.verify else VERIFY_EVERY,
         max_chars=options.max_document_chars,
         remote_timeout=options.remote_timeout,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
-    tokenizer_hash = files.content_hash()  # read once: the config key and the summary
+    tokenizer_hash = files.content_hash()  # read once: the config key and the metadata
     config = _config_hash(tokenizer_hash, spec, options)
-    task = None
-    shards = units
-    if sharded:
-        task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
-        shards = units[task.units.start : task.units.stop]
-        outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
-        done = task.finished(outputs)  # every input strongly pinned: check_shardable
-        if done is not None:  # a finished shard is not done again
-            return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
-        out_prefix = task.prefix
-    workdir = _WorkDir(out_prefix, config)
-    resumed = workdir.reusable(shards, keys)
-    seen = HashSet() if spec.dedup else None
-    for index in range(resumed if seen is not None else 0):
-        with open(workdir.hashes_path(index), "rb") as stream:
-            while len(block := np.fromfile(stream, dtype=np.uint64, count=2 << 20)):
-                seen.add_new(block.reshape(-1, 2))  # type: ignore[union-attr]
-
-    progress = Progress(
-        0 if any(s.path == STDIN for s in shards) else sum(s.nbytes for s in shards),
-        "preprocess",
-        enabled=options.show_progress,
-        already=sum(s.nbytes for s in shards[:resumed]),
-    )
-    run = _Run(workdir, shards, keys, dtype, seen, progress, not spec.stop_at_invalid)
-    run.probes = probes if fast is not None else None
-    run.engine = "tiktoken" if fast is not None else reference_engine(tokenizer).name
-    try:
-        cache = os.path.join(workdir.path, "hf-cache")
-        quiet = not options.show_progress
-        option = options.keys_option
-        work = (
-            chunk
-            for i in range(resumed, len(shards))
-            for chunk in chunks(
-                i, shards[i], keys, options.chunk_bytes, options.split, cache, quiet, option
-            )
-        )
-        with contextlib.closing(_results(work, spec, options.workers, tokenizer, fast)) as results:
-            for result in results:
-                run.take(result)
-    except EngineMismatch as exc:
-        run.abort()
-        workdir.remove()  # shards the fast engine wrote are suspect: none is reused
-        progress.close()
-        if options.tokenizer_engine == "tiktoken" or any(s.path == STDIN for s in shards):
-            raise PreprocessError(f"{exc}; run again with --tokenizer-engine hf") from None
-        warnings.warn(f"{exc}; tokenizing everything again with tokenizers", stacklevel=2)
-        options = replace(options, tokenizer_engine="hf")
-        return preprocess(inputs, out_prefix, tokenizer_path, options)
-    except BaseException:
-        run.abort()
-        if not workdir.manifest["shards"]:
-            workdir.remove()
-        else:
-            workdir.release()
-        raise
-    progress.close()
-
-    # Every key's output is complete before any is renamed into place, with what made it.
     metadata = {
         "schema": METADATA_SCHEMA,
         "written_by": f"hp-data {__version__}",
@@ -603,25 +602,88 @@ def preprocess(
         "eod": spec.eod,
         "bos": spec.bos,
     }
+    task, shards, work_prefix = None, units, out_prefix
+    if options.shard_index is not None:
+        task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
+        shards = units[task.units.start : task.units.stop]
+        outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
+        done = task.finished(outputs)  # every input strongly pinned: check_shardable
+        if done is not None:
+            return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
+        work_prefix = task.prefix
+    job = _Job(
+        options, shards, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task
+    )
+    job.resume()
+    return job
+
+
+def _tokenize(job: _Job) -> _Run:
+    """Every unit not done yet, through the workers into the work directory. Where the
+    tiktoken engine gave other ids than tokenizers on a document, what it wrote is suspect:
+    the work directory goes, and every unit is tokenized again with tokenizers, or the run
+    stops (`VerifiedEngine.fall_back`)."""
+    options, shards, spec = job.options, job.shards, job.spec
+    stdin = any(s.path == STDIN for s in shards)
+    while True:
+        progress = Progress(
+            0 if stdin else sum(s.nbytes for s in shards),
+            "preprocess",
+            enabled=options.show_progress,
+            already=sum(s.nbytes for s in shards[: job.resumed]),
+        )
+        run = _Run(
+            job.workdir, shards, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
+        )
+        try:
+            results = _results(job.chunks(), spec, options.workers, job.tokenizer)
+            with contextlib.closing(results):
+                for result in results:
+                    run.take(result)
+        except EngineMismatch as exc:
+            run.abort()
+            job.workdir.remove()  # shards the fast engine wrote are suspect: none is reused
+            progress.close()
+            spec = job.spec = replace(spec, engine=spec.engine.fall_back(str(exc), not stdin))
+            _warn(spec.engine)
+            job.resume()
+            continue
+        except BaseException:
+            run.abort()
+            if not job.workdir.manifest["shards"]:
+                job.workdir.remove()
+            else:
+                job.workdir.release()
+            raise
+        progress.close()
+        return run
+
+
+def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
+    """Every key's output complete, with what made it, before any is renamed into place; a
+    shard's hashes and manifest after its datasets; the work directory last."""
+    workdir, outputs = job.workdir, job.outputs
     stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
     finals = [
-        IndexedDatasetBuilder(final, dtype, metadata={**metadata, **_max_token_id(stats, key)})
+        IndexedDatasetBuilder(
+            final, job.dtype, metadata={**job.metadata, **_max_token_id(stats, key)}
+        )
         for key, final in outputs.items()
     ]
     try:
         for key, builder in zip(outputs, finals, strict=True):
-            for index in range(len(shards)):
+            for index in range(len(job.shards)):
                 builder.add_index(workdir.shard_prefix(index, key))
     except BaseException:
         for builder in finals:
             builder.abort()
         raise
     finalize_together(finals)
-    summary = _summarize(stats, outputs, dtype, options, shards, resumed, seen, run, started)
-    summary.tokenizer = metadata["tokenizer"]
-    if task is not None:  # the shard's hashes and manifest, after its datasets
-        hashes = [workdir.hashes_path(i) for i in range(len(shards))] if spec.dedup else None
-        task.commit(outputs, hashes, summary.__dict__)
+    summary = _summarize(stats, job, run, started)
+    if job.task is not None:  # the shard's hashes and manifest, after its datasets
+        count = len(job.shards)
+        hashes = [workdir.hashes_path(i) for i in range(count)] if job.spec.dedup else None
+        job.task.commit(outputs, hashes, summary.__dict__)
     workdir.remove()
     return summary
 
@@ -658,8 +720,6 @@ class _Run:
         self.input_bytes = 0
         self.documents = 0
         self.tokens = 0
-        self.probes: int | None = None  # probe texts the fast engine passed; None: not used
-        self.engine = "hf"  # the name of the engine that runs
 
     def _open(self, index: int) -> None:
         self.current = index
@@ -740,17 +800,8 @@ class _Run:
             self.hashes.close()
 
 
-def _summarize(
-    stats: list[_ShardStats],
-    outputs: dict[str, str],
-    dtype: np.dtype,
-    options: PreprocessOptions,
-    shards: list[Shard],
-    resumed: int,
-    seen: HashSet | None,
-    run: _Run,
-    started: float,
-) -> PreprocessSummary:
+def _summarize(stats: list[_ShardStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:
+    outputs, seen = job.outputs, job.seen
     invalid: dict[str, int] = {}
     for shard_stats in stats:
         for kind, count in shard_stats.invalid.items():
@@ -758,10 +809,10 @@ def _summarize(
     tokens_by_key = {key: sum(s.tokens.get(key, 0) for s in stats) for key in outputs}
     return PreprocessSummary(
         outputs=outputs,
-        dtype=str(dtype),
-        workers=options.workers,
-        shards=len(shards),
-        resumed_shards=resumed,
+        dtype=str(job.dtype),
+        workers=job.options.workers,
+        shards=len(job.shards),
+        resumed_shards=job.resumed,
         documents_in=sum(s.records for s in stats),
         documents_written=sum(s.written for s in stats),
         skipped={
@@ -778,9 +829,10 @@ def _summarize(
         input_bytes=run.input_bytes,
         seconds=round(time.perf_counter() - started, 3),
         dedup_hash_set_bytes=seen.nbytes if seen is not None else None,
-        engine=run.engine,
-        probe_texts=run.probes or 0,
+        engine=job.spec.engine.name,
+        probe_texts=job.spec.engine.probes,
         verified_documents=sum(s.verified for s in stats),
+        tokenizer=job.metadata["tokenizer"],
     )
 
 

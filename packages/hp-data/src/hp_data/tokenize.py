@@ -9,9 +9,8 @@ import json
 import logging
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -429,57 +428,96 @@ class Engine(Protocol):
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def choose_engine(
-    files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
-) -> tuple[FastBPE | None, int]:
-    """The fast engine's recipe (None: use `tokenizers`) and how many probe texts it passed.
+@dataclass(frozen=True)
+class VerifiedEngine:
+    """The engine a run tokenizes with, chosen and checked once (`choose`): the tiktoken
+    engine only where it gives `tokenizers`' ids, else the tokenizer's own encoder. The
+    pipeline asks it for the engine, its notice and, after a document that the two engines
+    part on, what to do (`fall_back`); each process builds its encoders from it (`engines`)."""
 
-    `auto` takes `tiktoken` only for a tokenizer it converts, proves exact (`fast_bpe.prove`)
-    and that gives the same ids on the probe set; `tiktoken` makes any failure an error; `hf`
-    skips all three. Any engine refuses a tokenizer whose own ids are random (BPE dropout)."""
-    if requested not in ENGINES:
-        raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
-    dropout = getattr(getattr(tokenizer, "model", None), "dropout", None)
-    if dropout:
-        raise PreprocessError(
-            f"{files.tokenizer_json}: model.dropout is {dropout:g}: BPE dropout gives other ids on "
-            "every run; set it to null in the tokenizer file to preprocess with it"
-        )
-    if requested == "hf":
-        return None, 0
-    source = files.tokenizer_json
-    try:
-        recipe = fast_recipe(files, proven=True)
-        engine = recipe.engine()
-    except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
-        # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
-        if requested == "tiktoken":
+    files: TokenizerFiles
+    name: str  # the engine that runs: hf (tokenizers), sentencepiece or tiktoken
+    requested: str = "auto"  # --tokenizer-engine
+    probes: int = 0  # probe texts the tiktoken engine passed before the run
+    notice: str | None = None  # the one line to warn with: why tiktoken is not used
+    recipe: FastBPE | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def choose(
+        cls, files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
+    ) -> VerifiedEngine:
+        """`auto` takes `tiktoken` only for a tokenizer it converts, proves exact
+        (`fast_bpe.prove`) and that gives the same ids on the probe set; `tiktoken` makes any
+        failure an error; `hf` skips all three. Any engine refuses a tokenizer whose own ids
+        are random (BPE dropout)."""
+        if requested not in ENGINES:
+            raise PreprocessError(f"--tokenizer-engine {requested!r}: choose {', '.join(ENGINES)}")
+        dropout = getattr(getattr(tokenizer, "model", None), "dropout", None)
+        if dropout:
             raise PreprocessError(
-                f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "
-                f"{exc}; use --tokenizer-engine auto or hf"
-            ) from None
-        if isinstance(exc, NotProven):  # byte-level BPE that looked fast: say why it is not
-            message = f"{source}: tiktoken is not exact for it: {exc}; using tokenizers"
-            warnings.warn(message, stacklevel=2)
-        return None, 0
-    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
-    probes = probe_texts(added)
-    mismatch = compare(probes, HFEngine(tokenizer).encode(probes), engine.encode(probes))
-    if mismatch is not None:
-        message = (
-            f"{source}: the tiktoken engine differs from tokenizers on probe text "
-            f"{probes[mismatch.index]!r} ({mismatch.describe()})"
-        )
-        if requested == "tiktoken":
-            raise PreprocessError(f"{message}; use --tokenizer-engine auto or hf")
-        warnings.warn(f"{message}; using tokenizers", stacklevel=2)
-        return None, 0
-    return recipe, len(probes)
+                f"{files.tokenizer_json}: model.dropout is {dropout:g}: BPE dropout gives other "
+                "ids on every run; set it to null in the tokenizer file to preprocess with it"
+            )
+        reference = cls(files, reference_engine(tokenizer).name, requested)
+        if requested == "hf":
+            return reference
+        source = files.tokenizer_json
+        try:
+            recipe = fast_recipe(files, proven=True)
+            engine = recipe.engine()
+        except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
+            if requested == "tiktoken":
+                raise PreprocessError(
+                    f"{source}: --tokenizer-engine tiktoken cannot reproduce this tokenizer: "
+                    f"{exc}; use --tokenizer-engine auto or hf"
+                ) from None
+            if isinstance(exc, NotProven):  # byte-level BPE that looked fast: say why it is not
+                notice = f"{source}: tiktoken is not exact for it: {exc}; using tokenizers"
+                return replace(reference, notice=notice)
+            return reference
+        added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+        probes = probe_texts(added)
+        mismatch = compare(probes, HFEngine(tokenizer).encode(probes), engine.encode(probes))
+        if mismatch is not None:
+            message = (
+                f"{source}: the tiktoken engine differs from tokenizers on probe text "
+                f"{probes[mismatch.index]!r} ({mismatch.describe()})"
+            )
+            if requested == "tiktoken":
+                raise PreprocessError(f"{message}; use --tokenizer-engine auto or hf")
+            return replace(reference, notice=f"{message}; using tokenizers")
+        return cls(files, "tiktoken", requested, len(probes), recipe=recipe)
+
+    @property
+    def fast(self) -> bool:
+        return self.name == "tiktoken"
+
+    def engines(self, tokenizer: Tokenizer | SentencePieceModel) -> tuple[Engine, Engine]:
+        """(the engine, the reference its ids are checked against) in this process. A worker
+        converts the tokenizer again, without the proof, which `choose` did for the run."""
+        reference = reference_engine(tokenizer)
+        if not self.fast:
+            return reference, reference
+        return (self.recipe or fast_recipe(self.files)).engine(), reference
+
+    def fall_back(self, mismatch: str, rereadable: bool) -> VerifiedEngine:
+        """`tokenizers` for a run whose tiktoken engine gave other ids on a document
+        (`mismatch` says where), when the inputs can be read again and tiktoken was not
+        asked for by name; else the one line that stops the run."""
+        if self.requested == "tiktoken" or not rereadable:
+            raise PreprocessError(f"{mismatch}; run again with --tokenizer-engine hf") from None
+        notice = f"{mismatch}; tokenizing everything again with tokenizers"
+        return VerifiedEngine(self.files, HFEngine.name, "hf", notice=notice)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to workers without the recipe: their start-up data stays small (_WorkerSpec).
+        return {**self.__dict__, "recipe": None}
 
 
 def fast_recipe(files: TokenizerFiles, proven: bool = False) -> FastBPE:
     """The tiktoken engine's recipe for this tokenizer (raises NotConvertible); `proven`:
-    only if `fast_bpe.prove` shows it exact (once per run, not in every worker)."""
+    only if `fast_bpe.prove` shows it exact (once per run, in `VerifiedEngine.choose`)."""
     if files.sentencepiece:
         raise NotConvertible("it is a SentencePiece model")
     return FastBPE.from_description(orjson.loads(files.read()), proven)
