@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hp_data.blend import build_datasets, megatron_sample_counts
+from hp_data.blend import build_datasets, megatron_sample_counts, split_sample_counts
 from hp_data.cli import main
+from hp_data.errors import ArgumentError, HpDataError
 from hp_data.gpt import GPTDatasetConfig
 
 from tests.helpers.corpus import random_corpus, write_with_hp
@@ -35,6 +36,35 @@ def test_megatron_sizes_by_hand():
     assert megatron_sample_counts(None, 0, 4) == [0, 400, 400]
     # An eval interval of 0: no validation during training (hp-train's train.eval_interval).
     assert megatron_sample_counts(None, 2000, 8, 10, 0) == [16000, 0, 80]
+
+
+def test_the_python_api_sizes_the_splits_as_build_index_does():
+    # Megatron's sizes, by hand as above; Megatron's eval defaults are 100 iters every 1000.
+    sizes = dict(train_iters=2000, global_batch_size=8, eval_iters=10, eval_interval=500)
+    assert split_sample_counts(**sizes) == [16000, 400, 80]
+    # 1003 samples of batch 10: 100 iterations, one evaluation of 100 x 10, a test of 100 x 10.
+    assert split_sample_counts(train_samples=1003, global_batch_size=10) == [1003, 1000, 1000]
+    # Counts as given, a missing one (None) being one epoch.
+    assert split_sample_counts([5]) == [5, None, None]
+    assert split_sample_counts([5, 0, 2]) == [5, 0, 2]
+    assert split_sample_counts() == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(num_samples=[5], train_iters=1, global_batch_size=1), "give one of --num-samples"),
+        (dict(train_samples=5, train_iters=1, global_batch_size=1), "give one of --num-samples"),
+        (dict(train_iters=10), "--train-samples and --train-iters need --global-batch-size"),
+        (dict(num_samples=[5], global_batch_size=8), "--global-batch-size sizes the splits only"),
+        (dict(eval_iters=5), "--eval-iters sizes the splits only with --train-iters"),
+        (dict(eval_interval=0), "--eval-interval sizes the splits only with --train-iters"),
+    ],
+)
+def test_the_python_api_refuses_sizes_that_one_would_ignore(sizes, message):
+    with pytest.raises(ArgumentError, match=message) as raised:
+        split_sample_counts(**sizes)
+    assert isinstance(raised.value, HpDataError)  # a Python caller catches it as any other
 
 
 def test_build_index_with_eval_interval_0_asks_no_valid_samples(tmp_path, prefixes):

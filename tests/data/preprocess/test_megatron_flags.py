@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from hp_data import IndexedDataset
 from hp_data.cli import main
+from hp_data.pipeline import megatron_keys
 from hp_data.tokenize import TokenizerFiles
 from tokenizers import Tokenizer
 
@@ -89,6 +90,14 @@ def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokeni
     one = runner.invoke(main, [*args[:-1], "text", "--output-prefix", str(tmp_path / "one")])
     assert one.exit_code == 0, one.output
     assert read_bytes(tmp_path / "one_text_document") == read_bytes(tmp_path / "p_text_document")
+
+
+def test_the_python_api_reads_json_keys_as_both_command_lines_give_them():
+    # Megatron's `--json-keys text title` (argparse: one key a value) and hp's `text,title`.
+    assert megatron_keys(["text", "title"]) == ("text", "title")
+    assert megatron_keys(["text,title"]) == megatron_keys([" text  title "]) == ("text", "title")
+    assert megatron_keys(["title", "text,body"]) == ("title", "text", "body")  # order kept
+    assert megatron_keys([""]) == ()  # nothing to tokenize: preprocess refuses it by name
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hp_data.cache import load_or_build
-from hp_data.errors import HpDataError
+from hp_data.errors import ArgumentError, HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.gpt import GPTDataset, GPTDatasetConfig, epoch_samples
@@ -166,12 +166,16 @@ class BlendableDataset:
         return {"dataset_id": k, **self.datasets[k][sample]}
 
 
+# Megatron-LM's --eval-iters and --eval-interval defaults.
+EVAL_ITERS, EVAL_INTERVAL = 100, 1000
+
+
 def megatron_sample_counts(
     train_samples: int | None,
     train_iters: int | None,
     global_batch_size: int,
-    eval_iters: int = 100,
-    eval_interval: int = 1000,
+    eval_iters: int = EVAL_ITERS,
+    eval_interval: int = EVAL_INTERVAL,
 ) -> list[int]:
     """Train, valid and test sample counts as Megatron-LM's training.py computes them
     (`get_train_valid_test_num_samples`, without batch-size ramp-up); an `eval_interval` of
@@ -183,6 +187,48 @@ def megatron_sample_counts(
         train_samples = (train_iters or 0) * global_batch_size
     evaluations = ((train_iters or 0) // eval_interval + 1) * eval_iters if eval_interval else 0
     return [train_samples, evaluations * global_batch_size, eval_iters * global_batch_size]
+
+
+def split_sample_counts(
+    num_samples: Sequence[int | None] = (),
+    train_samples: int | None = None,
+    train_iters: int | None = None,
+    global_batch_size: int | None = None,
+    eval_iters: int | None = None,
+    eval_interval: int | None = None,
+) -> list[int | None]:
+    """Train, valid and test sample counts for `build_datasets` (None: one epoch), given
+    as `num_samples` (up to three) or as Megatron's sizes: `train_samples` or `train_iters`
+    with `global_batch_size` (`megatron_sample_counts`; `eval_iters` and `eval_interval`
+    default to Megatron's). What `hp-data build-index` sizes with; messages name its flags.
+
+    Both ways at once, or a batch or eval size with no train size to go with it, is an
+    `ArgumentError`: one would be silently ignored."""
+    counts = [*num_samples, None, None, None][:3]
+    if train_samples is None and train_iters is None:
+        for name, value in (
+            ("global_batch_size", global_batch_size),
+            ("eval_iters", eval_iters),
+            ("eval_interval", eval_interval),
+        ):
+            if value is not None:
+                raise ArgumentError(
+                    f"--{name.replace('_', '-')} sizes the splits only with --train-iters or "
+                    "--train-samples; give one of them, or leave it out"
+                )
+        return counts
+    if num_samples or (train_samples is not None and train_iters is not None):
+        raise ArgumentError("give one of --num-samples, --train-samples, --train-iters")
+    if global_batch_size is None:
+        raise ArgumentError("--train-samples and --train-iters need --global-batch-size")
+    counts[:] = megatron_sample_counts(
+        train_samples,
+        train_iters,
+        global_batch_size,
+        EVAL_ITERS if eval_iters is None else eval_iters,
+        EVAL_INTERVAL if eval_interval is None else eval_interval,
+    )
+    return counts
 
 
 def build_datasets(

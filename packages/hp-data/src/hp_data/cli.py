@@ -13,7 +13,15 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from hp_data.errors import HpDataError
+from hp_data.blend import (
+    EVAL_INTERVAL,
+    EVAL_ITERS,
+    build_datasets,
+    build_report,
+    parse_blend,
+    split_sample_counts,
+)
+from hp_data.errors import ArgumentError, HpDataError
 from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
@@ -24,7 +32,7 @@ from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
 
-# preprocess (tokenizers, multiprocessing), blend and tokenize are imported by the commands
+# preprocess (tokenizers, multiprocessing) and tokenize are imported by the commands
 # that use them: every command pays the start-up of what it imports (merge --shards on N
 # machines' output is the one that waits for it).
 
@@ -34,9 +42,22 @@ SCHEMA = 1
 _Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+class _Command(click.Command):
+    """The library's `ArgumentError` (arguments that contradict each other) is a usage error,
+    as click's own are: exit 2, after this command's usage line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ArgumentError as exc:
+            raise click.UsageError(str(exc), ctx) from None
+
+
 class _Group(click.Group):
     """Turns hp-data's own errors and OS errors into one line on stderr and exit code 1
     (with --json, also the failure's JSON on stdout), and a closed stdout into a quiet exit."""
+
+    command_class = _Command
 
     def invoke(self, ctx: click.Context) -> Any:
         formatter, warnings.formatwarning = warnings.formatwarning, _one_line_warning
@@ -545,7 +566,13 @@ def preprocess_command(
 
     Megatron's tools/preprocess_data.py flags work as they are: --input, --output-prefix,
     --tokenizer-type, --tokenizer-model, --vocab-file, --merge-file (docs/preprocess.md)."""
-    from hp_data.pipeline import PreprocessOptions, default_workers, format_summary, preprocess
+    from hp_data.pipeline import (
+        PreprocessOptions,
+        default_workers,
+        format_summary,
+        megatron_keys,
+        preprocess,
+    )
     from hp_data.tokenize import resolve_tokenizer
 
     corpus = corpus + inputs
@@ -566,7 +593,7 @@ def preprocess_command(
     files = resolve_tokenizer(tokenizer, tokenizer_type, vocab_file, merge_file, allow_download)
 
     options = PreprocessOptions(
-        json_keys=tuple(key for value in json_keys for key in value.replace(",", " ").split()),
+        json_keys=megatron_keys(json_keys),
         append_eod=append_eod,
         eod_token=eod_token,
         add_bos=add_bos,
@@ -656,12 +683,16 @@ def preprocess_command(
 @click.option("--train-iters", type=click.IntRange(min=0), default=None, help="Megatron's.")
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None, help="Megatron's.")
 @click.option(
-    "--eval-iters", type=click.IntRange(min=0), default=100, show_default=True, help="Megatron's."
+    "--eval-iters",
+    type=click.IntRange(min=0),
+    default=EVAL_ITERS,
+    show_default=True,
+    help="Megatron's.",
 )
 @click.option(
     "--eval-interval",
     type=click.IntRange(min=0),
-    default=1000,
+    default=EVAL_INTERVAL,
     show_default=True,
     help="Megatron's; 0: no validation during training (no valid samples), as in hp-train.",
 )
@@ -710,15 +741,13 @@ def build_index(
     --global-batch-size: train = train samples (or iters x batch), valid = (train iters //
     eval interval + 1) x eval iters x batch (0 for an eval interval of 0: no validation),
     test = eval iters x batch."""
-    from hp_data.blend import build_datasets, build_report, megatron_sample_counts, parse_blend
-
     spec = " ".join(data_path)
     try:
         parse_blend(spec)
     except HpDataError as exc:  # the library's message names no flag: this one does
         raise HpDataError(f"--data-path: {exc}") from None
 
-    counts: list[int | None] = [None, None, None]
+    values: list[int] = []
     if num_samples:
         try:
             values = [int(v) for v in num_samples.split(",")]
@@ -728,24 +757,16 @@ def build_index(
             raise click.UsageError(
                 f"--num-samples {num_samples!r}: give N or N,NV,NT, each 0 or more"
             )
-        counts[: len(values)] = values
-    if train_samples is not None or train_iters is not None:
-        if num_samples or (train_samples is not None and train_iters is not None):
-            raise click.UsageError("give one of --num-samples, --train-samples, --train-iters")
-        if global_batch_size is None:
-            raise click.UsageError("--train-samples and --train-iters need --global-batch-size")
-        counts[:] = megatron_sample_counts(
-            train_samples, train_iters, global_batch_size, eval_iters, eval_interval
-        )
-    else:
-        # Megatron's sizes without --train-iters or --train-samples would size nothing.
-        context = click.get_current_context()
-        for name in ("global_batch_size", "eval_iters", "eval_interval"):
-            if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
-                raise click.UsageError(
-                    f"--{name.replace('_', '-')} sizes the splits only with --train-iters or "
-                    "--train-samples; give one of them, or leave it out"
-                )
+    context = click.get_current_context()
+    given = {  # Megatron's sizes, None where left at their defaults (they size nothing alone)
+        name: None if context.get_parameter_source(name) is ParameterSource.DEFAULT else value
+        for name, value in [
+            ("global_batch_size", global_batch_size),
+            ("eval_iters", eval_iters),
+            ("eval_interval", eval_interval),
+        ]
+    }
+    counts = split_sample_counts(values, train_samples, train_iters, **given)
     config = GPTDatasetConfig(
         seq_length=seq_len,
         seed=seed,

@@ -23,6 +23,11 @@ class IndexedDatasetError(HpDataError):
     """A `.bin`/`.idx` pair is missing, corrupt, or used inconsistently."""
 
 
+class ArgumentError(HpDataError):
+    """Arguments that contradict each other or would size nothing; `hp-data` reports it as a
+    usage error (exit 2, after the command's usage line), as it does its own parsing errors."""
+
+
 class PreprocessError(HpDataError):
     """A corpus or tokenizer cannot be turned into a dataset (message starts with file:line)."""
 

@@ -8,7 +8,7 @@ numpy arrays; `hp_data.torch` turns them into tensors.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -271,7 +271,10 @@ class GPTDataset:
         return item
 
     def get_batch(self, indices: Any) -> dict[str, np.ndarray]:
-        """Items `indices` stacked to [B, L] (cu_seqlens, if asked, as a list)."""
+        """Items `indices` stacked to [B, L] (cu_seqlens, if asked, as a list).
+
+        API: the batch of a numpy user's own loop (README, docs/datasets.md); hp-train batches
+        through torch's DataLoader (`hp_data.torch`) instead."""
         items = [self[int(i)] for i in indices]
         if not items:  # an empty batch has the item's shapes, with no rows
             length = self.config.seq_length
@@ -288,11 +291,3 @@ class GPTDataset:
         if self.config.return_cu_seqlens:
             batch["cu_seqlens"] = [item["cu_seqlens"] for item in items]  # type: ignore[assignment]
         return batch
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "split": self.split,
-            "samples": len(self),
-            "config": asdict(self.config),
-            **self.cache_report,
-        }

@@ -100,6 +100,12 @@ class PreprocessOptions:
     remote_timeout: float = DEFAULT_TIMEOUT  # seconds a remote request may wait (remote.py)
 
 
+def megatron_keys(values: Sequence[str]) -> tuple[str, ...]:
+    """`json_keys` from Megatron's `--json-keys text title` (a key a value) and hp's
+    `--json-keys text,title` (several a value, by commas or spaces) alike, in order."""
+    return tuple(key for value in values for key in value.replace(",", " ").split())
+
+
 def output_prefixes(
     out_prefix: str, keys: tuple[str, ...], megatron_names: bool = False
 ) -> dict[str, str]:

@@ -124,7 +124,8 @@ def fingerprint(units: Sequence[Shard]) -> str:
 
 
 def describe(units: Sequence[Shard], groups: list[range] | None = None) -> dict[str, Any]:
-    """The plan as JSON-ready data: every unit with its kind, range, bytes and shard."""
+    """The plan as JSON-ready data: every unit with its kind, range, bytes and shard. API:
+    what `hp-data plan` prints (its --json keys: docs/cli.md)."""
     owner = {i: g for g, members in enumerate(groups or []) for i in members}
     rows = []
     for index, unit in enumerate(units):

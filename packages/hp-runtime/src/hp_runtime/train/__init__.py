@@ -1,6 +1,31 @@
-"""The trainer: config → assembly + data → loop → metrics (`hp-train`)."""
+"""The trainer: config → assembly + data → loop → metrics (`hp-train`).
 
-from hp_runtime.train.config import Config, ConfigError, load_config
-from hp_runtime.train.loop import RunResult, train
+The names below are imported on first use (PEP 562): `hp-train --help`, `hp-train plot` and a
+submodule import (`from hp_runtime.train import rng`) need none of the loop's torch.distributed,
+tokenizers or multiprocessing.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hp_runtime.train.config import Config, ConfigError, load_config
+    from hp_runtime.train.loop import RunResult, train
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "Config": "hp_runtime.train.config",
+    "ConfigError": "hp_runtime.train.config",
+    "load_config": "hp_runtime.train.config",
+    "RunResult": "hp_runtime.train.loop",
+    "train": "hp_runtime.train.loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'hp_runtime.train' has no attribute {name!r}")
+
 
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]

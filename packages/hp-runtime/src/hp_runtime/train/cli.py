@@ -7,6 +7,9 @@
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
+
+Each command imports what it runs in its body: `hp-train --help` loads click and nothing of
+torch, and `plot` no model.
 """
 
 from __future__ import annotations
@@ -14,9 +17,6 @@ from __future__ import annotations
 import sys
 
 import click
-
-from hp_runtime.train.config import ConfigError, load_config
-from hp_runtime.train.launch import PeerFailed, TrainError, env_rank, start, stop
 
 
 def _fail(message: str, code: int, rank: int) -> None:
@@ -36,6 +36,8 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     """Train a model: --config FILE plus SECTION.KEY=VALUE overrides."""
     from hp_data.errors import HpDataError
 
+    from hp_runtime.train.config import ConfigError, load_config
+    from hp_runtime.train.launch import PeerFailed, TrainError, env_rank, start, stop
     from hp_runtime.train.loop import train
 
     rank = env_rank()
@@ -72,6 +74,7 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
 @click.option("--out", type=str, default=None, help="The PNG's path (default RUN_DIR/metrics.png).")
 def plot_command(run_dir: str, out: str | None) -> None:
     """Draw loss, learning rate, tokens/s and grad norm of RUN_DIR into a PNG."""
+    from hp_runtime.train.launch import TrainError
     from hp_runtime.train.plot import plot_run
 
     try:
@@ -117,6 +120,7 @@ def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -
     """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF Llama directory."""
     from hp_runtime.train.exportdir import leftovers
     from hp_runtime.train.hf import export_checkpoint
+    from hp_runtime.train.launch import TrainError
 
     try:
         files = export_checkpoint(checkpoint, out, dtype, _size(max_shard_size))
