@@ -233,7 +233,9 @@ def dataset_identity(dataset: Any, config: DatasetConfig, split: str) -> dict[st
     return out
 
 
-def build_dataset(config: DatasetConfig, split: str = "train", num_samples: int | None = None) -> Any:
+def build_dataset(
+    config: DatasetConfig, split: str = "train", num_samples: int | None = None
+) -> Any:
     """`num_samples` samples (None: one epoch; dummy: 10,000) of `split` of the dataset `config`
     describes; an unknown type lists the valid ones."""
     kind = dataset_type(config.type)

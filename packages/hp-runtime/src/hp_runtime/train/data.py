@@ -222,12 +222,11 @@ def build_datasets(
     caches first (even when it reads nothing), the others load them after."""
     counts = dict(zip(("train", "valid"), sample_counts(config, plan), strict=True))
     configs = split_configs(config, run_dir, counts["valid"] > 0)
-    if "valid" in configs:
-        if not has_split(configs["valid"], "valid"):
-            raise ConfigError(
-                f"train.eval_interval={config.train.eval_interval} needs validation data: give "
-                f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
-            )
+    if "valid" in configs and not has_split(configs["valid"], "valid"):
+        raise ConfigError(
+            f"train.eval_interval={config.train.eval_interval} needs validation data: give "
+            f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
+        )
     built: dict[str, Any] = {}
     start = time.perf_counter()
 
