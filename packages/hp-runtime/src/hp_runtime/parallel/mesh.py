@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from hp_runtime.model.config import ModelConfig
 
@@ -53,6 +55,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         """A mesh with dims named pp, dp_replicate, dp_shard, tp (sizes of 1 included)."""
+        from torch.distributed.device_mesh import init_device_mesh  # the layout needs no torch
+
         self.validate(world_size)
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)

@@ -5,27 +5,25 @@ submodule import (`from hp_runtime.train import rng`) need none of the loop's to
 tokenizers or multiprocessing.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_runtime.faces import lazy_names
 
 if TYPE_CHECKING:
-    from hp_runtime.train.config import Config, ConfigError, load_config
+    from hp_runtime.train.config import Config, load_config
+    from hp_runtime.train.errors import ConfigError
     from hp_runtime.train.loop import RunResult, train
 
 # Each public name and the module that defines it.
 _HOMES = {
     "Config": "hp_runtime.train.config",
-    "ConfigError": "hp_runtime.train.config",
+    "ConfigError": "hp_runtime.train.errors",
     "load_config": "hp_runtime.train.config",
     "RunResult": "hp_runtime.train.loop",
     "train": "hp_runtime.train.loop",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'hp_runtime.train' has no attribute {name!r}")
-
+__getattr__ = lazy_names(__name__, _HOMES)
 
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from hp_data.errors import first_line
 from hp_data.format.commit import fsync_path
 from hp_data.redact import redact_data
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,7 +53,8 @@ from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
 from hp_runtime.train.config import CheckpointConfig, Config
 from hp_runtime.train.data import same_data
-from hp_runtime.train.launch import Runtime, TrainError, agree
+from hp_runtime.train.errors import TrainError
+from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState
 
 CHECKPOINTS = "checkpoints"
@@ -478,14 +480,14 @@ class Checkpointer:
         need = nbytes * self.runtime.world_size
         free = shutil.disk_usage(self.root if os.path.isdir(self.root) else "/").free
         # torch's zip writer reports a failed write as "unexpected pos", without the errno
-        hidden = "unexpected pos" in str(exc) or "unexpected pos" in first_line(exc)
+        hidden = "unexpected pos" in str(exc) or "unexpected pos" in first_line(exc, named=True)
         if _no_space(exc) or (hidden and free < need):
             reason = (
                 f"no space left on the device holding {self.root} (the checkpoint needs "
                 f"~{need / 1e9:.2g} GB, {free / 1e9:.2g} GB are free)"
             )
         else:
-            reason = first_line(exc)
+            reason = first_line(exc, named=True)
         return SaveFailed(
             f"checkpoint of step {step} not written: {reason}; the partial checkpoint was "
             f"removed and the previous ones are kept: free space or fix it, then run the same "
@@ -665,7 +667,7 @@ def load(
             planner=storage.SafeLoadPlanner(),
         )
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
-        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc)}") from None
+        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
     if states is not None:
         try:
             rng.restore(states, runtime.device)
@@ -675,13 +677,3 @@ def load(
             ) from None
     _apply(state, payload)
     state.load_scalars(meta)
-
-
-def first_line(exc: BaseException) -> str:
-    """The cause in one line: DCP wraps each rank's exception with its traceback."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -36,8 +36,9 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     """Train a model: --config FILE plus SECTION.KEY=VALUE overrides."""
     from hp_data.errors import HpDataError
 
-    from hp_runtime.train.config import ConfigError, load_config
-    from hp_runtime.train.launch import PeerFailed, TrainError, env_rank, start, stop
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+    from hp_runtime.train.launch import env_rank, start, stop
     from hp_runtime.train.loop import train
 
     rank = env_rank()
@@ -74,7 +75,7 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
 @click.option("--out", type=str, default=None, help="The PNG's path (default RUN_DIR/metrics.png).")
 def plot_command(run_dir: str, out: str | None) -> None:
     """Draw loss, learning rate, tokens/s and grad norm of RUN_DIR into a PNG."""
-    from hp_runtime.train.launch import TrainError
+    from hp_runtime.train.errors import TrainError
     from hp_runtime.train.plot import plot_run
 
     try:
@@ -118,9 +119,9 @@ def _size(text: str) -> int:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Per safetensors file.")
 def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -> None:
     """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF Llama directory."""
+    from hp_runtime.train.errors import TrainError
     from hp_runtime.train.exportdir import leftovers
     from hp_runtime.train.hf import export_checkpoint
-    from hp_runtime.train.launch import TrainError
 
     try:
         files = export_checkpoint(checkpoint, out, dtype, _size(max_shard_size))

@@ -25,12 +25,10 @@ from hp_data.errors import HpDataError
 from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
-from hp_runtime.model import PRESETS, ModelConfig
-from hp_runtime.parallel import ParallelDims, ParallelOptions
-
-
-class ConfigError(ValueError):
-    """A configuration a run cannot start from; the message is one line for the user."""
+from hp_runtime.model.config import PRESETS, ModelConfig
+from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.options import ParallelOptions
+from hp_runtime.train.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,8 +34,9 @@ from hp_data.token_ids import token_ids
 from hp_data.tokenize import TokenizerFiles, vocab_size
 from hp_data.torch import make_dataloader
 
-from hp_runtime.train.config import Config, ConfigError, DataConfig
-from hp_runtime.train.launch import Runtime, TrainError, agree
+from hp_runtime.train.config import Config, DataConfig
+from hp_runtime.train.errors import ConfigError, TrainError
+from hp_runtime.train.launch import Runtime, agree
 
 Batch = dict[str, torch.Tensor]
 

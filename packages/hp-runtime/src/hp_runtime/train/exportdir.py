@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from hp_data.format.commit import fsync_path
 
-from hp_runtime.train.launch import TrainError
+from hp_runtime.train.errors import TrainError
 
 MANIFEST = "hp-export.json"
 WRITTEN_BY = "hp-train export"

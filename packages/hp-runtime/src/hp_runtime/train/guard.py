@@ -14,7 +14,7 @@ import math
 from collections import deque
 from statistics import fmean, pstdev
 
-from hp_runtime.train.launch import TrainError
+from hp_runtime.train.errors import TrainError
 
 
 class NonFiniteLoss(TrainError):

@@ -17,14 +17,14 @@ import warnings
 from typing import Any
 
 import torch
+from hp_data.errors import first_line
 from torch import nn
 
 from hp_runtime.model import ModelConfig
 from hp_runtime.parallel.init import copy_full_
 from hp_runtime.parallel.parallelize import canonical_name
-from hp_runtime.train.checkpoint import first_line
+from hp_runtime.train.errors import TrainError
 from hp_runtime.train.exportdir import ExportTarget
-from hp_runtime.train.launch import TrainError
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -316,7 +316,9 @@ def _safetensors_files(directory: str) -> list[str]:
             with open(index, encoding="utf-8") as stream:
                 files = sorted(set(json.load(stream)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise TrainError(f"{index}: not a safetensors index ({first_line(exc)})") from None
+            raise TrainError(
+                f"{index}: not a safetensors index ({first_line(exc, named=True)})"
+            ) from None
         for file in files:
             if not isinstance(file, str) or not os.path.isfile(os.path.join(directory, file)):
                 raise TrainError(f"{index}: names {file}, which {directory} does not hold")
@@ -346,7 +348,7 @@ def read_hf(directory: str) -> dict[str, torch.Tensor]:
             tensors = st.load_file(path)
         except Exception as exc:  # safetensors' own error types; any is one line here
             raise TrainError(
-                f"{path}: not a readable safetensors file ({first_line(exc)})"
+                f"{path}: not a readable safetensors file ({first_line(exc, named=True)})"
             ) from None
         for name in tensors:
             if name in where:
@@ -442,7 +444,8 @@ def export_checkpoint(
 
     from hp_runtime.model import Transformer
     from hp_runtime.train.checkpoint import checked_metadata, read_meta, saved_model
-    from hp_runtime.train.config import ConfigError, build_model
+    from hp_runtime.train.config import build_model
+    from hp_runtime.train.errors import ConfigError
     from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
     ExportTarget(out)  # a bad --out is refused before the checkpoint is read
@@ -468,5 +471,5 @@ def export_checkpoint(
                 no_dist=True,
             )
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
-        raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc)}") from None
+        raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc, named=True)}") from None
     return write_hf(wanted, config, out, dtype, max_shard_bytes)

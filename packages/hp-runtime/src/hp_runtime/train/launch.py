@@ -18,16 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-class TrainError(RuntimeError):
-    """A run that cannot go on; the message is one line for the user."""
-
-    fallback = False  # whether resuming may try an older checkpoint instead
-    everywhere = False  # raised alike on every rank (then rank 0 alone reports it)
-
-
-class PeerFailed(TrainError):
-    """Another rank failed; it reports the reason, this one stops quietly."""
+from hp_runtime.train.errors import PeerFailed, TrainError
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ import torch
 
 from hp_runtime.train.config import Config
 from hp_runtime.train.data import BatchPlan, Loader
+from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeStop, check_finite
-from hp_runtime.train.launch import Runtime, StopSignals, TrainError
+from hp_runtime.train.launch import Runtime, StopSignals
 from hp_runtime.train.metrics import LaggedValues
 from hp_runtime.train.plot import plot_run
 from hp_runtime.train.schedule import lr_at

@@ -12,7 +12,7 @@ import stat
 import tempfile
 from typing import Any
 
-from hp_runtime.train.launch import TrainError
+from hp_runtime.train.errors import TrainError
 
 
 def read_records(run_dir: str) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from hp_runtime.train.checkpoint import (
     load,
     read_meta,
 )
-from hp_runtime.train.config import Config, ConfigError, check_paths, to_toml
+from hp_runtime.train.config import Config, check_paths, to_toml
 from hp_runtime.train.data import (
     BatchPlan,
     Datasets,
@@ -32,9 +32,10 @@ from hp_runtime.train.data import (
     default_workers,
     pp_microbatches,
 )
+from hp_runtime.train.errors import ConfigError, TrainError
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
-from hp_runtime.train.launch import Runtime, TrainError, agree, lowest_message
+from hp_runtime.train.launch import Runtime, agree, lowest_message
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
 from hp_runtime.train.optim import build_optimizer
 from hp_runtime.train.state import TrainState
