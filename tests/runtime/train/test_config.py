@@ -20,7 +20,7 @@ from hp_runtime.train.config import (
     to_toml,
 )
 from hp_runtime.train.launch import Runtime
-from hp_runtime.train.setup import check_layout
+from hp_runtime.train.setup import checked_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -354,7 +354,7 @@ def _load_and_check(overrides: list[str]) -> str | None:
     try:
         config = load_config(None, overrides)
         check_paths(config)
-        check_layout(config, ONE_RANK)
+        checked_plan(config, ONE_RANK)
     except ConfigError as exc:
         message = str(exc)
         assert "\n" not in message and len(message) < 600, message

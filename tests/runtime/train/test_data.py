@@ -292,4 +292,4 @@ def test_a_tokenized_file_is_split_by_the_shares_given(
         assert len(dataset) == len(reference) > 0
         for i in range(len(dataset)):
             np.testing.assert_array_equal(dataset[i]["tokens"], reference[i]["tokens"])
-        assert built.fingerprint[name]["split_shares"] == shares
+        assert built.identity[name]["split_shares"] == shares

@@ -1,29 +1,11 @@
 """Parallelism plans, one file per dimension; `parallelize` applies them in order and
-`assemble` builds a rank's whole share of the model. Names are imported on first use
-(PEP 562): the layout and options (`ParallelDims`, `ParallelOptions`) need no torch."""
+`assemble` builds a rank's whole share of the model."""
 
-from typing import TYPE_CHECKING
-
-from hp_runtime.faces import lazy_names
-
-if TYPE_CHECKING:
-    from hp_runtime.parallel.assemble import Assembly, assemble
-    from hp_runtime.parallel.init import copy_full_, init_weights
-    from hp_runtime.parallel.mesh import ParallelDims
-    from hp_runtime.parallel.options import ParallelOptions
-    from hp_runtime.parallel.parallelize import canonical_name, parallelize
-
-_HOMES = {
-    "Assembly": "hp_runtime.parallel.assemble",
-    "assemble": "hp_runtime.parallel.assemble",
-    "copy_full_": "hp_runtime.parallel.init",
-    "init_weights": "hp_runtime.parallel.init",
-    "ParallelDims": "hp_runtime.parallel.mesh",
-    "ParallelOptions": "hp_runtime.parallel.options",
-    "canonical_name": "hp_runtime.parallel.parallelize",
-    "parallelize": "hp_runtime.parallel.parallelize",
-}
-__getattr__ = lazy_names(__name__, _HOMES)
+from hp_runtime.parallel.assemble import Assembly, assemble
+from hp_runtime.parallel.init import copy_full_, init_weights
+from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.options import ParallelOptions
+from hp_runtime.parallel.parallelize import canonical_name, parallelize
 
 __all__ = [
     "Assembly",

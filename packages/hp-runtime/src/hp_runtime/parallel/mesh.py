@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hp_runtime.model.config import ModelConfig
 
@@ -55,8 +53,6 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         """A mesh with dims named pp, dp_replicate, dp_shard, tp (sizes of 1 included)."""
-        from torch.distributed.device_mesh import init_device_mesh  # the layout needs no torch
-
         self.validate(world_size)
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)

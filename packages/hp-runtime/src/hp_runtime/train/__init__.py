@@ -5,9 +5,8 @@ submodule import (`from hp_runtime.train import rng`) need none of the loop's to
 tokenizers or multiprocessing.
 """
 
-from typing import TYPE_CHECKING
-
-from hp_runtime.faces import lazy_names
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hp_runtime.train.config import Config, load_config
@@ -24,6 +23,10 @@ _HOMES = {
 }
 
 
-__getattr__ = lazy_names(__name__, _HOMES)
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'hp_runtime.train' has no attribute {name!r}")
+
 
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]

@@ -3,12 +3,12 @@
 A checkpoint of step N is written into `RUN_DIR/checkpoints/.tmp-step-000000N` by every rank
 (DCP shards of the model and optimizer, keyed by parameter names, so any layout can load them;
 each rank's RNG states in `extra/`; `meta.json` from rank 0 with the step, `consumed_samples`,
-the run's id, the resolved config and the data fingerprint) and committed by one rename to
-`step-000000N` once every rank's writes are done. A directory that was never renamed is never
-loaded and is removed at the next start; older checkpoints of the same run beyond
-`checkpoint.keep` are deleted only after a newer one is committed. Every file carries a
-checksum taken while it was written and checked while it is read (`storage.py`); nothing in a
-checkpoint is unpickled beyond plain data.
+the run's id, the resolved config and the data's identity, stored as "fingerprint") and
+committed by one rename to `step-000000N` once every rank's writes are done. A directory that
+was never renamed is never loaded and is removed at the next start; older checkpoints of the
+same run beyond `checkpoint.keep` are deleted only after a newer one is committed. Every file
+carries a checksum taken while it was written and checked while it is read (`storage.py`);
+nothing in a checkpoint is unpickled beyond plain data.
 
 A run directory holds one run. `checkpoint.resume = "auto"` continues it; `"none"` starts
 fresh only where no checkpoint is yet; an explicit path seeds a run directory that has no
@@ -600,7 +600,7 @@ def check_compatible(
     path: str,
     config: Config,
     global_batch_size: int,
-    fingerprint: dict[str, Any],
+    identity: dict[str, Any],
     warn: Callable[[str], None],
 ) -> None:
     """Refuse a resume that would not continue the same run: another model, another global
@@ -621,8 +621,8 @@ def check_compatible(
         for key in saved["config"]
         if key in now and saved["config"][key] != now[key]
     ]
-    # A pipeline's middle stages read no data and hold no fingerprint: the others compare.
-    if not changes and fingerprint and not same_data(saved["fingerprint"], fingerprint):
+    # A pipeline's middle stages read no data and hold no identity: the others compare.
+    if not changes and identity and not same_data(saved["fingerprint"], identity):
         changes = ["the corpus files behind the data paths changed"]
     if not changes:
         return

@@ -107,7 +107,7 @@ def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, D
 
 
 def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two fingerprints describe the same samples (the index keys may differ: they
+    """Whether two datasets' identities describe the same samples (the index keys may differ: they
     also cover the sample count, which a longer run changes)."""
 
     def strip(fp: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def check_data(config: Config, configs: dict[str, DataConfig]) -> dict[str, Data
 class Datasets:
     train: Any | None
     valid: Any | None
-    fingerprint: dict[str, Any]
+    identity: dict[str, Any]  # each split's `dataset_identity`, stored in checkpoints
     build_seconds: float
 
 

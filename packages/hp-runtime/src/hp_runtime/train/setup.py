@@ -54,8 +54,9 @@ def precision(
     return (torch.bfloat16, None) if sharded else (None, torch.bfloat16)
 
 
-def check_layout(config: Config, runtime: Runtime) -> BatchPlan:
-    """Errors every rank finds alike, before any work: the layout against the world size."""
+def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
+    """The batch plan of a layout checked against the world size: errors every rank finds
+    alike, before any work."""
     p = config.parallel
     try:
         p.validate(runtime.world_size, config.model)
@@ -100,7 +101,7 @@ def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
         "hp_runtime": __version__,
         "config": to_toml(config),
         "data": {
-            "fingerprint": datasets.fingerprint,
+            "fingerprint": datasets.identity,
             "config": redact_data(  # stored: a path's credentials never are
                 {k: getattr(d, k) for k in DATA_KEYS}
             ),
@@ -138,7 +139,7 @@ def resume(
                 path,
                 config,
                 state.global_batch_size,
-                datasets.fingerprint,
+                datasets.identity,
                 say if runtime.is_main else lambda _: None,
             )
             outcome = None
@@ -188,7 +189,7 @@ class Run:
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
     t = config.train
-    plan = check_layout(config, runtime)
+    plan = checked_plan(config, runtime)
     check_paths(config)
 
     def say(line: str) -> None:
