@@ -233,6 +233,20 @@ def dataset_identity(dataset: Any, config: DatasetConfig, split: str) -> dict[st
     return out
 
 
+def same_samples(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two runs' identities (split -> `dataset_identity`) describe the same samples:
+    the index keys may differ, as they also cover the sample count, which a longer run
+    changes."""
+
+    def strip(identities: dict[str, Any]) -> dict[str, Any]:
+        return {
+            split: {k: v for k, v in d.items() if k != "index_key"}
+            for split, d in identities.items()
+        }
+
+    return strip(saved) == strip(current)
+
+
 def build_dataset(
     config: DatasetConfig, split: str = "train", num_samples: int | None = None
 ) -> Any:

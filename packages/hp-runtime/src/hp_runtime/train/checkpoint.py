@@ -40,6 +40,7 @@ import xxhash
 from hp_data.errors import first_line
 from hp_data.format.commit import fsync_path
 from hp_data.redact import redact_data
+from hp_data.registry import same_samples
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import (
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
 from hp_runtime.train.config import CheckpointConfig, Config
-from hp_runtime.train.data import same_data
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState
@@ -622,7 +622,7 @@ def check_compatible(
         if key in now and saved["config"][key] != now[key]
     ]
     # A pipeline's middle stages read no data and hold no identity: the others compare.
-    if not changes and identity and not same_data(saved["fingerprint"], identity):
+    if not changes and identity and not same_samples(saved["fingerprint"], identity):
         changes = ["the corpus files behind the data paths changed"]
     if not changes:
         return

@@ -43,11 +43,12 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How a global batch divides into micro-batches."""
+    """How a global batch divides into micro-batches (and, with PP, into schedule steps)."""
 
     micro_batch_size: int
     global_batch_size: int
     dp_size: int
+    pp_microbatches: int = 1  # micro-batches per pipeline schedule step
 
     @property
     def accumulation(self) -> int:
@@ -66,19 +67,14 @@ def batch_plan(config: Config) -> BatchPlan:
             f"data-parallel size = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
         )
     plan = BatchPlan(t.micro_batch_size, gbs, dp)
-    if p.pp > 1:
-        n = p.pp_microbatches or plan.accumulation
-        if plan.accumulation % n:
-            raise ConfigError(
-                f"parallel.pp_microbatches={n} does not divide the {plan.accumulation} "
-                f"micro-batches per step (global batch {gbs} / micro-batch "
-                f"{t.micro_batch_size} / data-parallel {dp})"
-            )
-    return plan
-
-
-def pp_microbatches(config: Config, plan: BatchPlan) -> int:
-    return config.parallel.pp_microbatches or plan.accumulation
+    n = p.pp_microbatches or plan.accumulation
+    if p.pp > 1 and plan.accumulation % n:
+        raise ConfigError(
+            f"parallel.pp_microbatches={n} does not divide the {plan.accumulation} "
+            f"micro-batches per step (global batch {gbs} / micro-batch "
+            f"{t.micro_batch_size} / data-parallel {dp})"
+        )
+    return replace(plan, pp_microbatches=n)
 
 
 def sample_counts(config: Config, plan: BatchPlan) -> tuple[int, int]:
@@ -93,7 +89,8 @@ def sample_counts(config: Config, plan: BatchPlan) -> tuple[int, int]:
 def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, DataConfig]:
     """The data config each split is built from: `[data]` itself, its index cache under
     RUN_DIR unless `data.cache_dir` says otherwise and `dummy` ids below `model.vocab_size`;
-    validation from `data.valid_path`, used whole, when one is given."""
+    validation (when `validation`) from `data.valid_path`, used whole, when one is given, else
+    from the valid share of `data.path`, which must have one."""
     d = config.data
     d = replace(
         d,
@@ -103,17 +100,12 @@ def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, D
     configs = {"train": d}
     if validation:
         configs["valid"] = replace(d, path=d.valid_path, split="0,1,0") if d.valid_path else d
+        if not has_split(configs["valid"], "valid"):
+            raise ConfigError(
+                f"train.eval_interval={config.train.eval_interval} needs validation data: give "
+                f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
+            )
     return configs
-
-
-def same_data(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two datasets' identities describe the same samples (the index keys may differ: they
-    also cover the sample count, which a longer run changes)."""
-
-    def strip(fp: dict[str, Any]) -> dict[str, Any]:
-        return {split: {k: v for k, v in d.items() if k != "index_key"} for split, d in fp.items()}
-
-    return strip(saved) == strip(current)
 
 
 def _prefixes(key: str, spec: str) -> list[str]:
@@ -223,11 +215,6 @@ def build_datasets(
     caches first (even when it reads nothing), the others load them after."""
     counts = dict(zip(("train", "valid"), sample_counts(config, plan), strict=True))
     configs = split_configs(config, run_dir, counts["valid"] > 0)
-    if "valid" in configs and not has_split(configs["valid"], "valid"):
-        raise ConfigError(
-            f"train.eval_interval={config.train.eval_interval} needs validation data: give "
-            f'data.valid_path, or a valid share in data.split (e.g. "98,2,0")'
-        )
     built: dict[str, Any] = {}
     start = time.perf_counter()
 
@@ -251,13 +238,6 @@ def build_datasets(
     seconds = time.perf_counter() - start
     keys = {split: dataset_identity(built[split], configs[split], split) for split in built}
     return Datasets(built.get("train"), built.get("valid"), keys, seconds)
-
-
-def default_workers(config: Config) -> int:
-    """`data.num_workers`, else 1 on a multi-core machine (0 on one core)."""
-    if config.data.num_workers is not None:
-        return config.data.num_workers
-    return 1 if (os.cpu_count() or 1) > 1 else 0
 
 
 class _Prefetch:
@@ -291,8 +271,9 @@ class _Prefetch:
 
 class Loader:
     """This rank's micro-batches from `consumed_samples` on, moved to the device; the time
-    spent waiting for them is kept in `waited` (seconds, reset by the caller). With
-    `background`, batches are received ahead on a thread (`depth` of them)."""
+    spent waiting for them is kept in `waited` (seconds, reset by the caller). `workers`
+    DataLoader processes (`data.num_workers`; None: 1 on a multi-core machine, 0 on one
+    core). With `background`, batches are received ahead on a thread (`depth` of them)."""
 
     def __init__(
         self,
@@ -301,13 +282,15 @@ class Loader:
         dp_rank: int,
         consumed_samples: int,
         device: torch.device,
-        workers: int,
+        workers: int | None,
         prefetch_factor: int,
         background: bool = True,
     ) -> None:
         self.sampler = PretrainingSampler(
             len(dataset), consumed_samples, plan.micro_batch_size, dp_rank, plan.dp_size
         )
+        if workers is None:
+            workers = 1 if (os.cpu_count() or 1) > 1 else 0
         self.loader = make_dataloader(
             dataset,
             self.sampler,

@@ -29,8 +29,6 @@ from hp_runtime.train.data import (
     Loader,
     batch_plan,
     build_datasets,
-    default_workers,
-    pp_microbatches,
 )
 from hp_runtime.train.errors import ConfigError, TrainError
 from hp_runtime.train.guard import SpikeGuard
@@ -72,16 +70,20 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
 
 
 def build_assembly(
-    config: Config, runtime: Runtime, plan: BatchPlan, loss_fn: TokenLoss
+    config: Config,
+    runtime: Runtime,
+    plan: BatchPlan,
+    param_dtype: torch.dtype | None,
+    loss_fn: TokenLoss,
 ) -> Assembly:
-    parallel = replace(config.parallel, pp_microbatches=pp_microbatches(config, plan))
+    parallel = replace(config.parallel, pp_microbatches=plan.pp_microbatches)
     return assemble(
         config.model,
         parallel,
         runtime.device,
         seed=config.train.seed,
         options=parallel,
-        param_dtype=precision(config, runtime.device)[0],
+        param_dtype=param_dtype,
         loss_fn=loss_fn,
     )
 
@@ -216,9 +218,10 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         print(to_toml(config), file=stream, flush=True)
     torch.manual_seed(t.seed)
     loss_fn = TokenLoss(runtime.device)
+    param_dtype, autocast_dtype = precision(config, runtime.device)
     failure = None
     try:
-        assembly = build_assembly(config, runtime, plan, loss_fn)
+        assembly = build_assembly(config, runtime, plan, param_dtype, loss_fn)
     except ValueError as exc:  # e.g. a schedule that cannot take this many micro-batches
         failure = TrainError(f"parallel: {exc}")
     except RuntimeError as exc:  # an allocation the device cannot hold: torch's own is long
@@ -267,7 +270,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             assembly.dp_rank,
             state.consumed_samples,
             runtime.device,
-            default_workers(config),
+            config.data.num_workers,
             config.data.prefetch_factor,
         )
         if datasets.valid is not None:
@@ -277,8 +280,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
     stepper = Stepper(
         assembly,
         loss_fn,
-        pp_microbatches(config, plan),
-        precision(config, runtime.device)[1],
+        plan.pp_microbatches,
+        autocast_dtype,
         config.parallel.loss_parallel,
         config.data.reset_position_ids,
         config.data.document_masking,
