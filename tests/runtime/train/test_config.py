@@ -415,3 +415,25 @@ def test_drawn_configs_load_or_fail_in_one_line_naming_a_key(places, example_tok
     overrides = [*base, f"train.run_dir={places['dir']}/run", *(f"{k}={v}" for k, v in drawn)]
     message = _load_and_check(overrides)
     assert message is None or _names_a_key(message), message
+
+
+def test_the_data_section_is_the_registry_config_and_hides_only_what_it_fixes():
+    """Each of hp-data's dataset fields is a [data] key under its own name, or one hp-train
+    keeps fixed and refuses as a key; the data a run builds from is that same object."""
+    import dataclasses
+
+    from hp_data.registry import DatasetConfig
+    from hp_runtime.train.config import DataConfig, key_fields
+    from hp_runtime.train.data import split_configs
+
+    library = {f.name for f in dataclasses.fields(DatasetConfig)}
+    keys = {f.name for f in key_fields(DataConfig)}
+    assert library - keys == set(DataConfig.fixed)
+    assert keys - library == {"valid_path", "document_masking", "num_workers", "prefetch_factor"}
+    for name in DataConfig.fixed:
+        with pytest.raises(ConfigError, match=f"data.{name}: unknown key"):
+            load_config(None, [*BASE, f"data.{name}=1"])
+    config = load_config(None, [*BASE, "data.seed=7", "model.vocab_size=333"])
+    built = split_configs(config, "/run", validation=False)["train"]
+    assert isinstance(built, DatasetConfig) and built.seed == 7 and built.vocab_size == 333
+    assert built.cache_dir == os.path.join("/run", "index-cache")
