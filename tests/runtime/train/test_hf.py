@@ -299,13 +299,13 @@ def test_a_run_starts_from_an_hf_directory(tmp_path):
     _hf_llama(tmp_path / "hf", tied=False)
     shape = [f"model.{k}={v}" for k, v in SHAPE.items()]
     run = tmp_path / "run"
-    done = hp_train(
+    done = hp_train_here(
         *FAST, *shape, "data.type=dummy", "data.seq_length=24", "train.steps=2",
         f"model.init_from={tmp_path / 'hf'}", f"train.run_dir={run}",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"initialised from {tmp_path / 'hf'}" in done.stdout
-    wrong = hp_train(
+    wrong = hp_train_here(
         *FAST, *shape, "model.dim=32", "model.ffn_hidden=86", "data.type=dummy",
         "data.seq_length=24", "train.steps=2", f"model.init_from={tmp_path / 'hf'}",
         f"train.run_dir={tmp_path / 'wrong'}",
