@@ -97,11 +97,11 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     path = _require_path(config, tokenizer=True)
     if not os.path.exists(path):
         raise HpDataError(f"{path}: no such file or directory")
-    shards = discover([path], input_format)
+    sources = discover([path], input_format)
     files = TokenizerFiles.locate(config.tokenizer)  # type: ignore[arg-type]
     key = cache_key(
         {
-            "inputs": [s.identity for s in shards],
+            "inputs": [s.identity for s in sources],
             "tokenizer": files.content_hash(),
             "text_key": config.text_key,
         }
