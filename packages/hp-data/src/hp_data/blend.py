@@ -102,7 +102,7 @@ class BlendableDataset:
         datasets: Sequence[Any],
         weights: Sequence[float],
         size: int,
-        split: str,
+        split_name: str,
         cache_dir: str | None = None,
         allow_wrap: bool = False,
     ) -> None:
@@ -111,19 +111,19 @@ class BlendableDataset:
         self.datasets = list(datasets)
         self.weights = normalize(weights)
         self.size = size
-        self.split = split
+        self.split_name = split_name
         description = {
             "datasets": [getattr(d, "cache_report", {}).get("key", repr(d)) for d in datasets],
             "weights": self.weights,
             "size": size,
-            "split": split,
+            "split": split_name,
             "dtypes": BLENDING_DTYPES,  # megatron's; in the key as for GPTDataset's arrays
         }
         arrays, self.cache_report = load_or_build(
             cache_dir,
             description,
             "BlendedDataset",
-            split,
+            split_name,
             ("dataset_index", "dataset_sample_index"),
             lambda: dict(
                 zip(
@@ -148,12 +148,12 @@ class BlendableDataset:
             name = getattr(getattr(dataset, "dataset", None), "path_prefix", f"dataset {k}")
             if not allow_wrap:
                 raise HpDataError(
-                    f"the {split} blend asks {name} for {count} samples but it has "
+                    f"the {split_name} blend asks {name} for {count} samples but it has "
                     f"{len(dataset)}; raise its num_samples (or the surplus), or pass "
                     f"allow_wrap=True to reuse its samples"
                 )
             warnings.warn(
-                f"the {split} blend wraps around {name}: {count} samples from {len(dataset)}",
+                f"the {split_name} blend wraps around {name}: {count} samples from {len(dataset)}",
                 stacklevel=2,
             )
 
@@ -248,9 +248,9 @@ def build_datasets(
         raise HpDataError(
             f"{len(num_samples)} sample counts given; give up to three: train, valid, test"
         )
-    for split, size in zip(SPLITS, num_samples, strict=False):
+    for split_name, size in zip(SPLITS, num_samples, strict=False):
         if size is not None and size < 0:
-            raise HpDataError(f"{split} sample count {size} is negative")
+            raise HpDataError(f"{split_name} sample count {size} is negative")
     num_samples = list(num_samples) + [None] * (3 - len(num_samples))
     if blend_per_split is not None:
         if len(blend_per_split) != len(SPLITS):
@@ -259,28 +259,28 @@ def build_datasets(
                 "valid, test), None for a split without data"
             )
         out: list[GPTDataset | BlendableDataset | None] = []
-        for split, spec, size in zip(SPLITS, blend_per_split, num_samples, strict=True):
+        for split_name, spec, size in zip(SPLITS, blend_per_split, num_samples, strict=True):
             if spec is None:
                 out.append(None)
                 continue
             shares = ["0", "0", "0"]
-            shares[SPLITS.index(split)] = "1"
+            shares[SPLITS.index(split_name)] = "1"
             whole = replace(config, split=",".join(shares))
-            out.append(build_split(spec, whole, split, size, allow_wrap))
+            out.append(build_split(spec, whole, split_name, size, allow_wrap))
         return out
     if data_path is None:
         raise HpDataError("give data_path or blend_per_split")
     shares = parse_split(config.split)
     return [
-        build_split(data_path, config, split, size, allow_wrap) if share > 0 else None
-        for split, share, size in zip(SPLITS, shares, num_samples, strict=True)
+        build_split(data_path, config, split_name, size, allow_wrap) if share > 0 else None
+        for split_name, share, size in zip(SPLITS, shares, num_samples, strict=True)
     ]
 
 
 def build_split(
     spec: BlendSpec,
     config: GPTDatasetConfig,
-    split: str,
+    split_name: str,
     size: int | None,
     allow_wrap: bool = False,
 ) -> GPTDataset | BlendableDataset:
@@ -292,7 +292,7 @@ def build_split(
         if not os.path.exists(prefix + ".idx"):
             raise HpDataError(f"{prefix}.idx: no such dataset")
     if len(prefixes) == 1 and weights is None:
-        return GPTDataset(prefixes[0], split, size, config)
+        return GPTDataset(prefixes[0], split_name, size, config)
     if weights is None:
         raise HpDataError("a blend of several prefixes needs weights: '0.3 /a 0.7 /b'")
     normalized = normalize(weights)
@@ -300,29 +300,31 @@ def build_split(
         # One epoch of the dataset that its weight exhausts first: the largest blend that
         # repeats no dataset (megatron-core asks for a count instead).
         size = min(
-            int(epoch_samples(prefix, split, config) / weight)
+            int(epoch_samples(prefix, split_name, config) / weight)
             for prefix, weight in zip(prefixes, normalized, strict=True)
             if weight > 0
         )
     targets = sizes_per_dataset(normalized, size)
     buffered = sizes_per_dataset(normalized, size, SURPLUS)
     datasets = [
-        GPTDataset(prefix, split, count, config)
+        GPTDataset(prefix, split_name, count, config)
         for prefix, count in zip(prefixes, buffered, strict=True)
     ]
-    return BlendableDataset(datasets, normalized, sum(targets), split, config.cache_dir, allow_wrap)
+    return BlendableDataset(
+        datasets, normalized, sum(targets), split_name, config.cache_dir, allow_wrap
+    )
 
 
 def build_report(datasets: Sequence[GPTDataset | BlendableDataset | None]) -> dict[str, Any]:
     """Per split: samples, the cache files behind it, and the seconds spent building indices
     (0 when everything came from the cache)."""
     report: dict[str, Any] = {}
-    for split, dataset in zip(SPLITS, datasets, strict=True):
+    for split_name, dataset in zip(SPLITS, datasets, strict=True):
         if dataset is None:
             continue
         parts = [dataset, *getattr(dataset, "datasets", [])]
         reports = [part.cache_report for part in parts]
-        report[split] = {
+        report[split_name] = {
             "samples": len(dataset),
             "files": [f for r in reports for f in r["files"]],
             "build_seconds": round(sum(r["built_seconds"] or 0.0 for r in reports), 4),

@@ -110,7 +110,7 @@ def load_or_build(
     directory: str | None,
     description: dict[str, Any],
     class_name: str,
-    split: str,
+    split_name: str,
     names: tuple[str, ...],
     build: Callable[[], dict[str, np.ndarray]],
     check: Callable[[dict[str, np.ndarray]], str | None] = lambda arrays: None,
@@ -124,7 +124,7 @@ def load_or_build(
     """
     directory = resolve_cache_dir(directory)
     key = cache_key(description)
-    base = os.path.join(directory, f"{key}-{class_name}-{split}")
+    base = os.path.join(directory, f"{key}-{class_name}-{split_name}")
     paths = {name: f"{base}-{name}.npy" for name in names}
     marker = f"{base}-description.json"
     built_seconds = None
@@ -148,7 +148,7 @@ def load_or_build(
                             {
                                 "key": key,
                                 "class": class_name,
-                                "split": split,
+                                "split": split_name,
                                 **description,
                                 "arrays": shapes,
                             }

@@ -476,7 +476,11 @@ def plan_command(
     "saved HF dataset; 'hf' loads a directory with datasets.load_dataset].",
 )
 @click.option(
-    "--split", default="train", show_default=True, help="Split of an HF dataset or DatasetDict."
+    "--split",
+    "hf_split",
+    default="train",
+    show_default=True,
+    help="Split of an HF dataset or DatasetDict.",
 )
 @click.option(
     "--chunk-mb",
@@ -547,7 +551,7 @@ def preprocess_command(
     dedup: str | None,
     max_document_chars: int,
     input_format: str | None,
-    split: str,
+    hf_split: str,
     chunk_mb: float,
     num_shards: int,
     shard_index: int | None,
@@ -605,7 +609,7 @@ def preprocess_command(
         dedup=dedup,
         max_document_chars=max_document_chars or None,
         input_format=input_format,
-        split=split,
+        hf_split=hf_split,
         chunk_bytes=int(chunk_mb * (1 << 20)),
         show_progress=not quiet,
         unit_bytes=_unit_bytes(units, unit_mb),

@@ -75,14 +75,14 @@ def _hash_array(array: np.ndarray) -> str:
 
 
 def _split_plan(
-    dataset: IndexedDataset, split: str, num_samples: int | None, config: GPTDatasetConfig
+    dataset: IndexedDataset, split_name: str, num_samples: int | None, config: GPTDatasetConfig
 ) -> tuple[tuple[int, int], bool, Any]:
-    """The sequences `[begin, end)` of `split`, whether its last partial sample is dropped,
+    """The sequences `[begin, end)` of `split_name`, whether its last partial sample is dropped,
     and the plan (sizes, epochs, dtypes) of its indices."""
-    span = split_ranges(len(dataset), parse_split(config.split))[SPLITS.index(split)]
+    span = split_ranges(len(dataset), parse_split(config.split))[SPLITS.index(split_name)]
     if span is None:
-        raise HpDataError(f"split {split!r} has a zero share in {config.split!r}")
-    drop_last = split != "valid" or config.drop_last_partial_validation_sequence
+        raise HpDataError(f"split {split_name!r} has a zero share in {config.split!r}")
+    drop_last = split_name != "valid" or config.drop_last_partial_validation_sequence
     try:
         plan = plan_gpt_indices(
             dataset.sequence_lengths,
@@ -93,15 +93,15 @@ def _split_plan(
             drop_last,
         )
     except IndexBuildError as exc:
-        raise HpDataError(f"{dataset.path_prefix}: {split} split: {exc}") from None
+        raise HpDataError(f"{dataset.path_prefix}: {split_name} split: {exc}") from None
     return span, drop_last, plan
 
 
-def epoch_samples(prefix: str, split: str, config: GPTDatasetConfig) -> int:
-    """Samples in one epoch of `split` of the dataset at `prefix`: the length of a
+def epoch_samples(prefix: str, split_name: str, config: GPTDatasetConfig) -> int:
+    """Samples in one epoch of `split_name` of the dataset at `prefix`: the length of a
     GPTDataset built with `num_samples=None`, without building its indices."""
     with IndexedDataset(prefix, validate=False) as dataset:
-        return _split_plan(dataset, split, None, config)[2].num_samples
+        return _split_plan(dataset, split_name, None, config)[2].num_samples
 
 
 class GPTDataset:
@@ -114,27 +114,27 @@ class GPTDataset:
     def __init__(
         self,
         dataset: IndexedDataset | str,
-        split: str,
+        split_name: str,
         num_samples: int | None,
         config: GPTDatasetConfig,
     ) -> None:
-        if split not in SPLITS:
-            raise HpDataError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+        if split_name not in SPLITS:
+            raise HpDataError(f"split {split_name!r}: use one of {', '.join(SPLITS)}")
         if config.seq_length < 2:
             raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
         if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
             raise HpDataError("eod_mask_loss and reset_position_ids need the EOD token id")
         opened = not isinstance(dataset, IndexedDataset)
         self.dataset = IndexedDataset(dataset) if opened else dataset
-        self.split = split
+        self.split_name = split_name
         self.config = config
         self.num_samples = num_samples
-        span, drop_last, plan = _split_plan(self.dataset, split, num_samples, config)
+        span, drop_last, plan = _split_plan(self.dataset, split_name, num_samples, config)
         self.split_range = span  # the sequences [begin, end) this split draws from
         documents = range(span[0], span[1])
         description = {
             "corpus": corpus_fingerprint(self.dataset),
-            "split": split,
+            "split": split_name,
             "split_range": list(span),
             "seed": config.seed,
             "seq_length": config.seq_length,
@@ -164,7 +164,9 @@ class GPTDataset:
                     plan,
                 )
             except IndexBuildError as exc:
-                raise HpDataError(f"{self.dataset.path_prefix}: {split} split: {exc}") from None
+                raise HpDataError(
+                    f"{self.dataset.path_prefix}: {split_name} split: {exc}"
+                ) from None
             return {"document_index": document, "sample_index": sample, "shuffle_index": shuffle}
 
         def check(arrays: dict[str, np.ndarray]) -> str | None:
@@ -191,7 +193,7 @@ class GPTDataset:
             config.cache_dir,
             description,
             "GPTDataset",
-            split,
+            split_name,
             ("document_index", "sample_index", "shuffle_index"),
             build,
             check,

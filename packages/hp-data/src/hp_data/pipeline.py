@@ -1,12 +1,12 @@
 """Corpus files -> tokens -> `.bin`/`.idx`: the parallel, resumable pipeline.
 
-The main process cuts every input (a *shard*) into chunks, in order; a pool of worker
-processes parses, checks and tokenizes chunks (one single-threaded tokenizer each); the main
-process takes the results back in order, drops exact duplicates, and appends them to the
-shard's own dataset in a work directory beside the output. A finished shard is finalized
-and recorded in a manifest; a rerun with the same arguments reuses every finished shard up
-to the first unfinished one. When all shards are done they are concatenated into the final
-output, atomically, and the work directory is removed.
+The main process cuts every work unit (an input, or a part of one: plan.py) into chunks, in
+order; a pool of worker processes parses, checks and tokenizes chunks (one single-threaded
+tokenizer each); the main process takes the results back in order, drops exact duplicates,
+and appends them to the unit's own dataset in a work directory beside the output. A finished
+unit is finalized and recorded in a manifest; a rerun with the same arguments reuses every
+finished unit up to the first unfinished one. When all units are done they are concatenated
+into the final output, atomically, and the work directory is removed.
 
 The output depends only on the inputs and the options: not on `--workers`, the chunking,
 or where an earlier run was killed.
@@ -48,7 +48,7 @@ from hp_data.readers import (
     STDIN,
     Chunk,
     Parsed,
-    Shard,
+    WorkUnit,
     chunks,
     discover,
     location,
@@ -85,7 +85,7 @@ class PreprocessOptions:
     keep_empty: bool = False
     dedup: str | None = None  # None or "exact"
     input_format: str | None = None
-    split: str = "train"
+    hf_split: str = "train"  # which split of an HF dataset (the CLI's --split)
     chunk_bytes: int = 1 << 20
     show_progress: bool = True
     unit_bytes: int | None = None  # work-unit size (plan.py); None: its default
@@ -149,7 +149,7 @@ class EngineMismatch(PreprocessError):
 
 @dataclass
 class _Result:
-    shard: int
+    unit: int
     last: bool
     lines: int
     records: int
@@ -205,7 +205,7 @@ def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
     for this chunk, so that over a run every position in a chunk is checked."""
     if every == 1:
         return np.arange(count)
-    first = np.random.default_rng([chunk.shard, chunk.start, count]).integers(every)
+    first = np.random.default_rng([chunk.unit, chunk.start, count]).integers(every)
     return np.arange(first, count, every)
 
 
@@ -221,7 +221,7 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
 
     parsed = read(spec.stop_at_invalid)
     result = _Result(
-        chunk.shard, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
+        chunk.unit, chunk.last, parsed.lines, parsed.records, chunk.input_bytes, parsed.invalid
     )
     if spec.stop_at_invalid and parsed.invalid:
         # The run stops here: read again to report the first problem, a lone surrogate too.
@@ -266,7 +266,7 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
 
 
 @dataclass
-class _ShardStats:
+class _UnitStats:
     records: int = 0
     written: int = 0
     empty: int = 0
@@ -280,7 +280,8 @@ class _ShardStats:
 
 
 class _WorkDir:
-    """The hidden directory beside the output: finished shards, their hashes, a manifest."""
+    """The hidden directory beside the output: finished units, their hashes, a manifest (its
+    `shard000000_KEY` names and `"shards"` list are a stored format, read by a resumed run)."""
 
     def __init__(self, out_prefix: str, config: str) -> None:
         directory, name = os.path.split(os.path.abspath(out_prefix))
@@ -307,30 +308,30 @@ class _WorkDir:
             return fresh
         return manifest
 
-    def shard_prefix(self, index: int, key: str) -> str:
+    def unit_prefix(self, index: int, key: str) -> str:
         return os.path.join(self.path, f"shard{index:06d}_{key}")
 
     def hashes_path(self, index: int) -> str:
-        """Raw (n, 2) uint64 hashes of the records a finished shard kept."""
+        """Raw (n, 2) uint64 hashes of the records a finished unit kept."""
         return os.path.join(self.path, f"shard{index:06d}.hashes")
 
-    def reusable(self, shards: list[Shard], keys: tuple[str, ...]) -> int:
-        """How many leading shards a previous run finished with these same inputs."""
+    def reusable(self, units: list[WorkUnit], keys: tuple[str, ...]) -> int:
+        """How many leading units a previous run finished with these same inputs."""
         done = 0
-        for shard, record in zip(shards, self.manifest["shards"], strict=False):
+        for unit, record in zip(units, self.manifest["shards"], strict=False):
             complete = all(
-                os.path.exists(path(self.shard_prefix(done, k)))
+                os.path.exists(path(self.unit_prefix(done, k)))
                 for k in keys
                 for path in (bin_path, idx_path)
             )
-            if record["identity"] != shard.identity or not shard.reusable or not complete:
+            if record["identity"] != unit.identity or not unit.reusable or not complete:
                 break
             done += 1
         self.manifest["shards"] = self.manifest["shards"][:done]
         return done
 
-    def record(self, shard: Shard, stats: _ShardStats) -> None:
-        self.manifest["shards"].append({"identity": shard.identity, "stats": stats.__dict__})
+    def record(self, unit: WorkUnit, stats: _UnitStats) -> None:
+        self.manifest["shards"].append({"identity": unit.identity, "stats": stats.__dict__})
         target = os.path.join(self.path, "manifest.json")
         with open(target + ".tmp", "w", encoding="utf-8") as stream:
             json.dump(redact_data(self.manifest), stream)  # no credential is ever stored
@@ -361,7 +362,7 @@ def _config_hash(tokenizer_hash: str, spec: _WorkerSpec, options: PreprocessOpti
         "dedup": spec.dedup,
         "skip_invalid": not spec.stop_at_invalid,
         "input_format": options.input_format,
-        "split": options.split,
+        "split": options.hf_split,  # the stored key stays
         "max_chars": spec.max_chars,
     }
     return xxhash.xxh3_128_hexdigest(json.dumps(described, sort_keys=True).encode())
@@ -417,8 +418,8 @@ class PreprocessSummary:
     outputs: dict[str, str]
     dtype: str
     workers: int
-    shards: int
-    resumed_shards: int
+    shards: int  # the work units of this run (the --json name stays)
+    resumed_shards: int  # of them, finished by an earlier run
     documents_in: int
     documents_written: int
     skipped: dict[str, Any]
@@ -444,16 +445,16 @@ class PreprocessSummary:
         }
 
 
-def check_shardable(found: Sequence[Shard]) -> None:
+def check_shardable(found: Sequence[WorkUnit]) -> None:
     """Refuse inputs that a run split over machines cannot share: each machine reads and pins
     the inputs for itself, and only a strong validator (`Pin.strong`) shows that all of them
     read the same version of an object; else shards of two versions would merge unnoticed."""
     if any(s.path == STDIN for s in found):
         raise PreprocessError("standard input (-) cannot be split over shards; give files")
-    for shard in found:
-        if not shard.reusable:
+    for source in found:
+        if not source.reusable:
             raise PreprocessError(
-                f"{shard.path}: no ETag, version id or content hash, so the machines of a "
+                f"{source.path}: no ETag, version id or content hash, so the machines of a "
                 "split run cannot tell that they all read the same version of it; run it "
                 "in one piece (no --num-shards, --ray), or serve it from a store that gives ETags"
             )
@@ -483,7 +484,7 @@ class _Job:
     tokenizer and its engine, and how much of an earlier run is taken up."""
 
     options: PreprocessOptions
-    shards: list[Shard]  # the units this run tokenizes, in order
+    units: list[WorkUnit]  # the units this run tokenizes, in order
     outputs: dict[str, str]  # key -> final prefix
     dtype: np.dtype
     tokenizer: Any  # loaded once here; the in-process worker uses it too
@@ -499,7 +500,7 @@ class _Job:
     def resume(self) -> None:
         """Open the work directory and take up the units an earlier run finished there."""
         self.workdir = _WorkDir(self.work_prefix, self.config)
-        self.resumed = self.workdir.reusable(self.shards, self.spec.keys)
+        self.resumed = self.workdir.reusable(self.units, self.spec.keys)
         self.seen = seen = HashSet() if self.spec.dedup else None
         for index in range(self.resumed if seen is not None else 0):
             with open(self.workdir.hashes_path(index), "rb") as stream:
@@ -508,12 +509,12 @@ class _Job:
 
     def chunks(self) -> Iterator[Chunk]:
         """The chunks of every unit not done yet, in order."""
-        options, shards = self.options, self.shards
+        options, units = self.options, self.units
         cache = os.path.join(self.workdir.path, "hf-cache")
         quiet = not options.show_progress
-        for i in range(self.resumed, len(shards)):
+        for i in range(self.resumed, len(units)):
             yield from chunks(
-                i, shards[i], self.spec.keys, options.chunk_bytes, options.split, cache, quiet,
+                i, units[i], self.spec.keys, options.chunk_bytes, options.hf_split, cache, quiet,
                 options.keys_option,
             )  # fmt: skip
 
@@ -532,7 +533,7 @@ def _check_options(options: PreprocessOptions) -> tuple[str, ...]:
     return keys
 
 
-def _plan(inputs: list[str], options: PreprocessOptions) -> list[Shard]:
+def _plan(inputs: list[str], options: PreprocessOptions) -> list[WorkUnit]:
     """The inputs found, pinned and cut into the plan's units (plan.py)."""
     set_timeout(options.remote_timeout)
     found = discover(inputs, options.input_format)
@@ -608,18 +609,16 @@ def _prepare(
         "eod": spec.eod,
         "bos": spec.bos,
     }
-    task, shards, work_prefix = None, units, out_prefix
+    task, mine, work_prefix = None, units, out_prefix
     if options.shard_index is not None:
         task = ShardTask.of(out_prefix, options.shard_index, options.num_shards, units, config)
-        shards = units[task.units.start : task.units.stop]
+        mine = units[task.units.start : task.units.stop]
         outputs = {key: task.name_for(prefix) for key, prefix in outputs.items()}
         done = task.finished(outputs)  # every input strongly pinned: check_shardable
         if done is not None:
             return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
         work_prefix = task.prefix
-    job = _Job(
-        options, shards, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task
-    )
+    job = _Job(options, mine, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task)
     job.resume()
     return job
 
@@ -629,17 +628,17 @@ def _tokenize(job: _Job) -> _Run:
     tiktoken engine gave other ids than tokenizers on a document, what it wrote is suspect:
     the work directory goes, and every unit is tokenized again with tokenizers, or the run
     stops (`VerifiedEngine.fall_back`)."""
-    options, shards, spec = job.options, job.shards, job.spec
-    stdin = any(s.path == STDIN for s in shards)
+    options, units, spec = job.options, job.units, job.spec
+    stdin = any(u.path == STDIN for u in units)
     while True:
         progress = Progress(
-            0 if stdin else sum(s.nbytes for s in shards),
+            0 if stdin else sum(u.nbytes for u in units),
             "preprocess",
             enabled=options.show_progress,
-            already=sum(s.nbytes for s in shards[: job.resumed]),
+            already=sum(u.nbytes for u in units[: job.resumed]),
         )
         run = _Run(
-            job.workdir, shards, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
+            job.workdir, units, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
         )
         try:
             results = _results(job.chunks(), spec, options.workers, job.tokenizer)
@@ -648,7 +647,7 @@ def _tokenize(job: _Job) -> _Run:
                     run.take(result)
         except EngineMismatch as exc:
             run.abort()
-            job.workdir.remove()  # shards the fast engine wrote are suspect: none is reused
+            job.workdir.remove()  # units the fast engine wrote are suspect: none is reused
             progress.close()
             spec = job.spec = replace(spec, engine=spec.engine.fall_back(str(exc), not stdin))
             _warn(spec.engine)
@@ -669,7 +668,7 @@ def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
     """Every key's output complete, with what made it, before any is renamed into place; a
     shard's hashes and manifest after its datasets; the work directory last."""
     workdir, outputs = job.workdir, job.outputs
-    stats = [_ShardStats(**record["stats"]) for record in workdir.manifest["shards"]]
+    stats = [_UnitStats(**record["stats"]) for record in workdir.manifest["shards"]]
     finals = [
         IndexedDatasetBuilder(
             final, job.dtype, metadata={**job.metadata, **_max_token_id(stats, key)}
@@ -678,8 +677,8 @@ def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
     ]
     try:
         for key, builder in zip(outputs, finals, strict=True):
-            for index in range(len(job.shards)):
-                builder.add_index(workdir.shard_prefix(index, key))
+            for index in range(len(job.units)):
+                builder.add_index(workdir.unit_prefix(index, key))
     except BaseException:
         for builder in finals:
             builder.abort()
@@ -687,16 +686,16 @@ def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
     finalize_together(finals)
     summary = _summarize(stats, job, run, started)
     if job.task is not None:  # the shard's hashes and manifest, after its datasets
-        count = len(job.shards)
+        count = len(job.units)
         hashes = [workdir.hashes_path(i) for i in range(count)] if job.spec.dedup else None
         job.task.commit(outputs, hashes, summary.__dict__)
     workdir.remove()
     return summary
 
 
-def _max_token_id(stats: list[_ShardStats], key: str) -> dict[str, int]:
-    """`{"max_token_id": N}` over every shard of `key` (None: no token), or nothing when a
-    shard does not say (one written by an older hp-data, resumed)."""
+def _max_token_id(stats: list[_UnitStats], key: str) -> dict[str, int]:
+    """`{"max_token_id": N}` over every unit of `key` (None: no token), or nothing when a
+    unit does not say (one written by an older hp-data, resumed)."""
     found = [s.max_token_id.get(key) for s in stats if s.tokens.get(key)]
     if any(value is None for value in found):
         return {}
@@ -704,24 +703,24 @@ def _max_token_id(stats: list[_ShardStats], key: str) -> dict[str, int]:
 
 
 class _Run:
-    """The main process's side of a run: takes results in order, writes shards."""
+    """The main process's side of a run: takes results in order, writes each unit's dataset."""
 
     def __init__(
         self,
         workdir: _WorkDir,
-        shards: list[Shard],
+        units: list[WorkUnit],
         keys: tuple[str, ...],
         dtype: np.dtype,
         seen: HashSet | None,
         progress: Progress,
         skip_invalid: bool,
     ) -> None:
-        self.workdir, self.shards, self.keys, self.dtype = workdir, shards, keys, dtype
+        self.workdir, self.units, self.keys, self.dtype = workdir, units, keys, dtype
         self.seen, self.progress, self.skip_invalid = seen, progress, skip_invalid
         self.current: int | None = None
         self.builders: list[IndexedDatasetBuilder] = []
-        self.hashes: BinaryIO | None = None  # kept hashes of the current shard, spilled
-        self.stats = _ShardStats()
+        self.hashes: BinaryIO | None = None  # kept hashes of the current unit, spilled
+        self.stats = _UnitStats()
         self.done_bytes = progress.already
         self.input_bytes = 0
         self.documents = 0
@@ -730,28 +729,28 @@ class _Run:
     def _open(self, index: int) -> None:
         self.current = index
         self.builders = [
-            IndexedDatasetBuilder(self.workdir.shard_prefix(index, key), self.dtype)
+            IndexedDatasetBuilder(self.workdir.unit_prefix(index, key), self.dtype)
             for key in self.keys
         ]
         if self.seen is not None:
             self.hashes = open(self.workdir.hashes_path(index) + ".tmp", "wb")  # noqa: SIM115
-        self.stats = _ShardStats(tokens=dict.fromkeys(self.keys, 0))
+        self.stats = _UnitStats(tokens=dict.fromkeys(self.keys, 0))
 
     def take(self, result: _Result) -> None:
-        if self.current != result.shard:
-            self._open(result.shard)
-        shard, stats = self.shards[result.shard], self.stats
+        if self.current != result.unit:
+            self._open(result.unit)
+        unit, stats = self.units[result.unit], self.stats
         if result.mismatch is not None:
             offset, what = result.mismatch
             raise EngineMismatch(
-                f"{location(shard, stats.lines + offset + 1)}: the tiktoken engine gave other "
+                f"{location(unit, stats.lines + offset + 1)}: the tiktoken engine gave other "
                 f"ids than tokenizers ({what})"
             )
         stats.verified += result.verified
         for offset, kind, why in result.invalid:
-            where = location(shard, stats.lines + offset + 1)
+            where = location(unit, stats.lines + offset + 1)
             if not self.skip_invalid:
-                check_unchanged(shard.path, shard.pin)  # not a bad line: a changed input
+                check_unchanged(unit.path, unit.pin)  # not a bad line: a changed input
                 raise PreprocessError(f"{where}: {why}")
             stats.invalid[kind] = stats.invalid.get(kind, 0) + 1
             if len(stats.invalid_examples) < INVALID_EXAMPLES:
@@ -785,9 +784,9 @@ class _Run:
             self.done_bytes, docs=self.documents, tokens=self.tokens, bytes=self.input_bytes
         )
         if result.last:
-            self._finish(shard, result.shard)
+            self._finish(unit, result.unit)
 
-    def _finish(self, shard: Shard, index: int) -> None:
+    def _finish(self, unit: WorkUnit, index: int) -> None:
         for builder in self.builders:
             builder.finalize()
         if self.hashes is not None:
@@ -795,7 +794,7 @@ class _Run:
             target = self.workdir.hashes_path(index)
             os.replace(target + ".tmp", target)
             self.hashes = None
-        self.workdir.record(shard, self.stats)
+        self.workdir.record(unit, self.stats)
         self.builders = []
         self.current = None
 
@@ -806,18 +805,18 @@ class _Run:
             self.hashes.close()
 
 
-def _summarize(stats: list[_ShardStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:
+def _summarize(stats: list[_UnitStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:
     outputs, seen = job.outputs, job.seen
     invalid: dict[str, int] = {}
-    for shard_stats in stats:
-        for kind, count in shard_stats.invalid.items():
+    for unit_stats in stats:
+        for kind, count in unit_stats.invalid.items():
             invalid[kind] = invalid.get(kind, 0) + count
     tokens_by_key = {key: sum(s.tokens.get(key, 0) for s in stats) for key in outputs}
     return PreprocessSummary(
         outputs=outputs,
         dtype=str(job.dtype),
         workers=job.options.workers,
-        shards=len(job.shards),
+        shards=len(job.units),
         resumed_shards=job.resumed,
         documents_in=sum(s.records for s in stats),
         documents_written=sum(s.written for s in stats),

@@ -1,8 +1,9 @@
 """Documents out of every input format a corpus comes in, in a stable order.
 
-The main process turns inputs into *shards* (one per file or HF dataset) and each shard into
-*chunks* in order; workers turn a chunk into validated texts. Every problem is reported with
-where it is: `file:line` for JSON lines, `file: row N` for Parquet and HF datasets.
+The main process turns inputs into *work units* (one per file or HF dataset, or a part of one:
+plan.py) and each unit into *chunks* in order; workers turn a chunk into validated texts.
+Every problem is reported with where it is: `file:line` for JSON lines, `file: row N` for
+Parquet and HF datasets.
 
 Order: inputs in the order given; a directory or glob stands for its matching files sorted by
 name; inside a file, lines (or rows) in file order. An input named again (another spelling, a
@@ -66,10 +67,11 @@ LENGTH_OPTION = "--max-document-chars"
 
 
 @dataclass(frozen=True)
-class Shard:
-    """One input (a file or an HF dataset directory, with what identifies its contents), or a
-    part of one: bytes `[start, end)` of a plain JSONL file, row groups `[start, end)` of a
-    Parquet file (`end=None`: the whole input). See `plan.py`."""
+class WorkUnit:
+    """One input, or a part of one that a worker processes whole: the input is a file or an
+    HF dataset directory, with what identifies its contents; a part is bytes `[start, end)` of
+    a plain JSONL file or row groups `[start, end)` of a Parquet file (`end=None`: the whole
+    input). Not a machine's share of a split run: that is a shard (shards.py)."""
 
     path: str
     format: str
@@ -102,9 +104,9 @@ class Shard:
 
 @dataclass
 class Chunk:
-    """A piece of one shard for one worker: a byte range, a block of lines, or rows."""
+    """A piece of one work unit for one worker: a byte range, a block of lines, or rows."""
 
-    shard: int
+    unit: int  # the unit's index in the run
     path: str
     format: str
     start: int = 0  # byte range of a plain JSONL file
@@ -112,8 +114,8 @@ class Chunk:
     blob: bytes | None = None  # whole lines, for compressed JSONL
     rows: dict[str, list[Any]] | None = None  # columns, for Parquet and HF datasets
     input_bytes: int = 0  # bytes of the input this chunk accounts for, for progress
-    last: bool = False  # the shard's final chunk
-    pin: Pin | None = None  # the shard's, for a byte range read in a worker
+    last: bool = False  # the unit's final chunk
+    pin: Pin | None = None  # the unit's, for a byte range read in a worker
 
 
 @dataclass
@@ -203,11 +205,12 @@ def _read_once(named: Sequence[tuple[str, list[str]]]) -> list[str]:
     return [path for path, _ in first.values()]
 
 
-def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shard]:
-    """The shards for paths, globs and directories, in the documented order.
+def discover(specs: Sequence[str], input_format: str | None = None) -> list[WorkUnit]:
+    """The inputs for paths, globs and directories, each one whole unit, in the documented
+    order (`plan.plan_units` cuts them into smaller units).
 
     A directory holding a saved HF dataset (`state.json` or `dataset_dict.json`) is one
-    shard; with `input_format="hf"` a directory is loaded with `datasets.load_dataset` (local
+    input; with `input_format="hf"` a directory is loaded with `datasets.load_dataset` (local
     files only); any other directory stands for its corpus files.
     """
     if input_format is not None and input_format not in FORMATS:
@@ -245,7 +248,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                 paths.extend(found)
             else:
                 paths.append(match)
-    shards: list[Shard] = []
+    sources: list[WorkUnit] = []
     for path in _read_once(named):
         if path == STDIN:
             fmt = input_format or "jsonl"
@@ -254,7 +257,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
                     "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
                 )
-            shards.append(Shard(path, fmt, 0, time.time_ns()))
+            sources.append(WorkUnit(path, fmt, 0, time.time_ns()))
             continue
         if is_url(path):
             fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
@@ -264,7 +267,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     "name its format with --input-format"
                 )
             pin = identify(path)
-            shards.append(Shard(path, fmt, pin.size, pin.number, pin=pin))
+            sources.append(WorkUnit(path, fmt, pin.size, pin.number, pin=pin))
             continue
         if os.path.isdir(path):
             if input_format == "hf":
@@ -296,61 +299,62 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Shar
                     f"resume by); give its contents on standard input as -"
                 )
             size, mtime, pin = stat.st_size, stat.st_mtime_ns, Pin.of_stat(stat)
-        shards.append(Shard(path, fmt, size, mtime, pin=pin))
-    if not shards:
+        sources.append(WorkUnit(path, fmt, size, mtime, pin=pin))
+    if not sources:
         raise PreprocessError("no input files given")
-    return shards
+    return sources
 
 
-# -- the main process: shards into chunks ---------------------------------------------------
+# -- the main process: units into chunks ----------------------------------------------------
 
 
 def chunks(
     index: int,
-    shard: Shard,
+    unit: WorkUnit,
     keys: Sequence[str],
     chunk_bytes: int,
-    split: str = "train",
+    hf_split: str = "train",
     cache_dir: str | None = None,
     quiet: bool = False,
     keys_option: str = KEYS_OPTION,
 ) -> Iterator[Chunk]:
-    """The chunks of one shard in order; the last has `last=True` (an empty shard has one).
+    """The chunks of one unit in order; the last has `last=True` (an empty unit has one).
 
-    `split`, `cache_dir` (the cache of `load_dataset`) and `quiet` apply to HF datasets;
-    `keys_option` names the keys' setting in a message about a missing column."""
-    if shard.path == STDIN:
-        produced = _stream_blocks(index, shard, chunk_bytes, sys.stdin.buffer)
-    elif shard.format == "jsonl":
-        produced = _jsonl_ranges(index, shard, chunk_bytes)
-    elif shard.format in ("jsonl.gz", "jsonl.zst"):
-        produced = _compressed_blocks(index, shard, chunk_bytes)
-    elif shard.format == "parquet":
-        produced = _parquet_rows(index, shard, keys, keys_option)
+    `hf_split` (which split of an HF dataset), `cache_dir` (the cache of `load_dataset`) and
+    `quiet` apply to HF datasets; `keys_option` names the keys' setting in a message about a
+    missing column."""
+    if unit.path == STDIN:
+        produced = _stream_blocks(index, unit, chunk_bytes, sys.stdin.buffer)
+    elif unit.format == "jsonl":
+        produced = _jsonl_ranges(index, unit, chunk_bytes)
+    elif unit.format in ("jsonl.gz", "jsonl.zst"):
+        produced = _compressed_blocks(index, unit, chunk_bytes)
+    elif unit.format == "parquet":
+        produced = _parquet_rows(index, unit, keys, keys_option)
     else:
-        produced = _hf_rows(index, shard, keys, split, cache_dir, quiet, keys_option)
+        produced = _hf_rows(index, unit, keys, hf_split, cache_dir, quiet, keys_option)
     previous: Chunk | None = None
     for chunk in produced:
         if previous is not None:
             yield previous
         previous = chunk
     if previous is None:
-        previous = Chunk(index, shard.path, shard.format, rows=None, blob=b"")
+        previous = Chunk(index, unit.path, unit.format, rows=None, blob=b"")
     previous.last = True
     yield previous
 
 
-def _jsonl_ranges(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_pinned(shard.path, shard.pin, "a .jsonl file") as stream:
+def _jsonl_ranges(index: int, unit: WorkUnit, chunk_bytes: int) -> Iterator[Chunk]:
+    with open_pinned(unit.path, unit.pin, "a .jsonl file") as stream:
         size = size_of(stream)
-        size = size if shard.end is None else min(shard.end, size)
-        start = shard.start  # a part starts on a line start (plan.py)
+        size = size if unit.end is None else min(unit.end, size)
+        start = unit.start  # a part starts on a line start (plan.py)
         while start < size:
             stream.seek(min(start + chunk_bytes, size))
             stream.readline()  # extend to the end of the line the cut falls in
             end = min(stream.tell(), size)
             yield Chunk(
-                index, shard.path, shard.format, start, end, input_bytes=end - start, pin=shard.pin
+                index, unit.path, unit.format, start, end, input_bytes=end - start, pin=unit.pin
             )
             start = end
 
@@ -426,26 +430,26 @@ class _Counted:
         return data
 
 
-def _compressed_blocks(index: int, shard: Shard, chunk_bytes: int) -> Iterator[Chunk]:
-    with open_pinned(shard.path, shard.pin, "a compressed .jsonl file", read_ahead=True) as raw:
-        yield from _stream_blocks(index, shard, chunk_bytes, raw, shard.size)
-        if shard.format == "jsonl.zst":
+def _compressed_blocks(index: int, unit: WorkUnit, chunk_bytes: int) -> Iterator[Chunk]:
+    with open_pinned(unit.path, unit.pin, "a compressed .jsonl file", read_ahead=True) as raw:
+        yield from _stream_blocks(index, unit, chunk_bytes, raw, unit.size)
+        if unit.format == "jsonl.zst":
             problem = zstd_frames_problem(raw, size_of(raw))
             if problem:
-                raise PreprocessError(f"{shard.path}: corrupt zstd data: {problem}")
+                raise PreprocessError(f"{unit.path}: corrupt zstd data: {problem}")
 
 
 def _stream_blocks(
-    index: int, shard: Shard, chunk_bytes: int, raw: BinaryIO, size: int = 0
+    index: int, unit: WorkUnit, chunk_bytes: int, raw: BinaryIO, size: int = 0
 ) -> Iterator[Chunk]:
     """Whole lines of a stream read front to back: a compressed file (of `size` bytes, all
     of them counted done at its end), or standard input."""
     import zstandard
 
     counted = _Counted(raw)
-    reader = counted if shard.format == "jsonl" else _open_compressed(counted, shard.format)
-    name = "standard input" if shard.path == STDIN else shard.path
-    kind = "gzip" if shard.format == "jsonl.gz" else "zstd"
+    reader = counted if unit.format == "jsonl" else _open_compressed(counted, unit.format)
+    name = "standard input" if unit.path == STDIN else unit.path
+    kind = "gzip" if unit.format == "jsonl.gz" else "zstd"
     carry = b""
     consumed = 0
     while True:
@@ -462,17 +466,17 @@ def _stream_blocks(
             continue
         carry = data[cut:]
         yield Chunk(
-            index, shard.path, shard.format, blob=data[:cut], input_bytes=counted.count - consumed
+            index, unit.path, unit.format, blob=data[:cut], input_bytes=counted.count - consumed
         )
         consumed = counted.count
-    if counted.count == 0 and shard.format != "jsonl":
+    if counted.count == 0 and unit.format != "jsonl":
         # Both readers take no bytes as no lines; an empty stream has a header (20 bytes of
         # gzip, 9 of zstd), so this is a file cut to nothing, not a compressed empty corpus.
-        empty = "empty" if shard.path == STDIN else "empty file"
+        empty = "empty" if unit.path == STDIN else "empty file"
         raise PreprocessError(f"{name}: {empty}, not a {kind} stream")
     if carry or consumed < max(size, counted.count):
         rest = max(size, counted.count) - consumed
-        yield Chunk(index, shard.path, shard.format, blob=carry, input_bytes=rest)
+        yield Chunk(index, unit.path, unit.format, blob=carry, input_bytes=rest)
 
 
 def _require(module: str, extra: str) -> Any:
@@ -485,31 +489,31 @@ def _require(module: str, extra: str) -> Any:
 
 
 def _parquet_rows(
-    index: int, shard: Shard, keys: Sequence[str], keys_option: str = KEYS_OPTION
+    index: int, unit: WorkUnit, keys: Sequence[str], keys_option: str = KEYS_OPTION
 ) -> Iterator[Chunk]:
     parquet = _require("pyarrow.parquet", "parquet")
-    with open_pinned(shard.path, shard.pin, "a Parquet file") as stream:
-        source = stream if is_url(shard.path) else shard.path  # pyarrow's own reads, locally
+    with open_pinned(unit.path, unit.pin, "a Parquet file") as stream:
+        source = stream if is_url(unit.path) else unit.path  # pyarrow's own reads, locally
         try:
             table = parquet.ParquetFile(source)
         except PreprocessError:
             raise  # a remote read that failed (remote.py)
         except Exception as exc:  # pyarrow raises several types for a bad file
-            raise PreprocessError(f"{shard.path}: not a readable Parquet file: {exc}") from None
-        yield from _row_batches(index, shard, table, keys, keys_option)
+            raise PreprocessError(f"{unit.path}: not a readable Parquet file: {exc}") from None
+        yield from _row_batches(index, unit, table, keys, keys_option)
 
 
 def _row_batches(
-    index: int, shard: Shard, table: Any, keys: Sequence[str], keys_option: str
+    index: int, unit: WorkUnit, table: Any, keys: Sequence[str], keys_option: str
 ) -> Iterator[Chunk]:
     names = table.schema_arrow.names
-    _check_columns(shard.path, names, keys, keys_option)
+    _check_columns(unit.path, names, keys, keys_option)
     rows = max(table.metadata.num_rows, 1)
     groups = range(table.metadata.num_row_groups)
-    if shard.end is not None:
-        groups = range(shard.start, shard.end)
+    if unit.end is not None:
+        groups = range(unit.start, unit.end)
         rows = max(sum(table.metadata.row_group(g).num_rows for g in groups), 1)
-    first = shard.first_row + 1  # the first row of the group, for the error
+    first = unit.first_row + 1  # the first row of the group, for the error
     for group in groups:
         batches = table.iter_batches(ROWS_PER_CHUNK, row_groups=[group], columns=list(keys))
         while True:
@@ -521,13 +525,13 @@ def _row_batches(
             except Exception as exc:  # pyarrow raises several types for a corrupt page
                 reason = " ".join(str(exc).split()) or type(exc).__name__
                 raise PreprocessError(
-                    f"{shard.path}: row group {group} (from row {first}): corrupt Parquet "
+                    f"{unit.path}: row group {group} (from row {first}): corrupt Parquet "
                     f"data: {reason}"
                 ) from None
             if batch is None:
                 break
-            share = shard.nbytes * batch.num_rows // rows
-            yield Chunk(index, shard.path, shard.format, rows=columns, input_bytes=share)
+            share = unit.nbytes * batch.num_rows // rows
+            yield Chunk(index, unit.path, unit.format, rows=columns, input_bytes=share)
         first += table.metadata.row_group(group).num_rows
 
 
@@ -542,8 +546,10 @@ def _check_columns(
         )
 
 
-def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None, quiet: bool = False) -> Any:
-    """The `datasets.Dataset` of an HF shard, never touching a hub; `quiet` hides the
+def load_hf_dataset(
+    unit: WorkUnit, hf_split: str, cache_dir: str | None, quiet: bool = False
+) -> Any:
+    """The `datasets.Dataset` of an HF input, never touching a hub; `quiet` hides the
     progress bars `datasets` draws while it converts files."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -552,44 +558,44 @@ def load_hf_dataset(shard: Shard, split: str, cache_dir: str | None, quiet: bool
     if quiet:
         datasets.disable_progress_bars()
     try:
-        if shard.format == "hf-saved":
-            loaded = datasets.load_from_disk(shard.path)
+        if unit.format == "hf-saved":
+            loaded = datasets.load_from_disk(unit.path)
         else:
-            loaded = datasets.load_dataset(shard.path, split=split, cache_dir=cache_dir)
+            loaded = datasets.load_dataset(unit.path, split=hf_split, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many types for a bad directory
         raise PreprocessError(
-            f"{shard.path}: cannot load as an HF dataset: {first_line(exc)}"
+            f"{unit.path}: cannot load as an HF dataset: {first_line(exc)}"
         ) from None
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
+        if hf_split not in loaded:
             raise PreprocessError(
-                f"{shard.path}: no split {split!r} (splits: {', '.join(loaded)}); use --split"
+                f"{unit.path}: no split {hf_split!r} (splits: {', '.join(loaded)}); use --split"
             )
-        loaded = loaded[split]
+        loaded = loaded[hf_split]
     return loaded
 
 
 def _hf_rows(
     index: int,
-    shard: Shard,
+    unit: WorkUnit,
     keys: Sequence[str],
-    split: str,
+    hf_split: str,
     cache_dir: str | None,
     quiet: bool,
     keys_option: str = KEYS_OPTION,
 ) -> Iterator[Chunk]:
-    dataset = load_hf_dataset(shard, split, cache_dir, quiet)
-    _check_columns(shard.path, dataset.column_names, keys, keys_option)
+    dataset = load_hf_dataset(unit, hf_split, cache_dir, quiet)
+    _check_columns(unit.path, dataset.column_names, keys, keys_option)
     total = max(len(dataset), 1)
     selected = dataset.select_columns(list(keys))
     for start in range(0, len(dataset), ROWS_PER_CHUNK):
         columns = selected[start : start + ROWS_PER_CHUNK]
         count = len(columns[keys[0]])
         yield Chunk(
-            index, shard.path, shard.format, rows=columns, input_bytes=shard.size * count // total
+            index, unit.path, unit.format, rows=columns, input_bytes=unit.size * count // total
         )
 
 
@@ -764,15 +770,15 @@ def _parse_rows(
     return parsed
 
 
-def location(shard: Shard, line: int) -> str:
+def location(unit: WorkUnit, line: int) -> str:
     """`file:line` for JSON lines, `file: row N` for tables (both 1-based; `line` counts
     from the start of the part)."""
-    if shard.path == STDIN:
+    if unit.path == STDIN:
         return f"<stdin>:{line}"
-    name = redact(shard.path)  # kept in manifests and summaries (invalid_examples)
-    if shard.format.startswith("jsonl"):
-        return f"{name}:{_lines_before(shard.path, shard.start, shard.pin) + line}"
-    return f"{name}: row {shard.first_row + line}"
+    name = redact(unit.path)  # kept in manifests and summaries (invalid_examples)
+    if unit.format.startswith("jsonl"):
+        return f"{name}:{_lines_before(unit.path, unit.start, unit.pin) + line}"
+    return f"{name}: row {unit.first_row + line}"
 
 
 @functools.lru_cache(maxsize=64)

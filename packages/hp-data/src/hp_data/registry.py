@@ -67,10 +67,10 @@ class DummyDataset:
         }
 
 
-def _split_of(split: str) -> int:
-    if split not in SPLITS:
-        raise HpDataError(f"split {split!r}: use one of {', '.join(SPLITS)}")
-    return SPLITS.index(split)
+def _split_of(split_name: str) -> int:
+    if split_name not in SPLITS:
+        raise HpDataError(f"split {split_name!r}: use one of {', '.join(SPLITS)}")
+    return SPLITS.index(split_name)
 
 
 def _samples_config(config: DatasetConfig, eod: int | None) -> DatasetConfig:
@@ -97,11 +97,11 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     path = _require_path(config, tokenizer=True)
     if not os.path.exists(path):
         raise HpDataError(f"{path}: no such file or directory")
-    shards = discover([path], input_format)
+    sources = discover([path], input_format)
     files = TokenizerFiles.locate(config.tokenizer)  # type: ignore[arg-type]
     key = cache_key(
         {
-            "inputs": [s.identity for s in shards],
+            "inputs": [s.identity for s in sources],
             "tokenizer": files.content_hash(),
             "text_key": config.text_key,
         }
@@ -130,31 +130,31 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     return prefix, files.special_id(tokenizer, "eos", None)
 
 
-def _dummy(config: DatasetConfig, split: str, num_samples: int | None) -> DummyDataset:
+def _dummy(config: DatasetConfig, split_name: str, num_samples: int | None) -> DummyDataset:
     count = 10_000 if num_samples is None else num_samples
-    return DummyDataset(count, config.seq_length, config.vocab_size, split_seed(config, split))
+    return DummyDataset(count, config.seq_length, config.vocab_size, split_seed(config, split_name))
 
 
 def _packed(
-    config: DatasetConfig, split: str, num_samples: int | None, input_format: str | None
+    config: DatasetConfig, split_name: str, num_samples: int | None, input_format: str | None
 ) -> GPTDataset:
     """A tokenized corpus packed into samples."""
     prefix, eod = _tokenized(config, input_format)
-    return GPTDataset(prefix, split, num_samples, _samples_config(config, eod))
+    return GPTDataset(prefix, split_name, num_samples, _samples_config(config, eod))
 
 
-def _megatron(config: DatasetConfig, split: str, num_samples: int | None) -> Any:
+def _megatron(config: DatasetConfig, split_name: str, num_samples: int | None) -> Any:
     spec = _require_path(config)
-    if not has_split(config, split):
-        raise HpDataError(f"split {split!r} has a zero share in {split_shares(config)!r}")
-    return build_split(spec, _samples_config(config, config.eod_token), split, num_samples)
+    if not has_split(config, split_name):
+        raise HpDataError(f"split {split_name!r} has a zero share in {split_shares(config)!r}")
+    return build_split(spec, _samples_config(config, config.eod_token), split_name, num_samples)
 
 
 @dataclass(frozen=True)
 class DatasetType:
     """What hp-data knows of one dataset type: how to build it, what it needs, how it splits."""
 
-    build: Callable[[DatasetConfig, str, int | None], Any]  # (config, split, num_samples)
+    build: Callable[[DatasetConfig, str, int | None], Any]  # (config, split_name, num_samples)
     needs_path: bool = True
     needs_tokenizer: bool = False  # tokenized by hp-data on first use (into the cache)
     default_shares: str | None = "969,30,1"  # Megatron's; None: no splits (any split is there)
@@ -164,12 +164,12 @@ DATASET_REGISTRY: dict[str, DatasetType] = {
     "dummy": DatasetType(_dummy, needs_path=False, default_shares=None),
     # A file trains whole unless shares are given: Megatron's default split is for prefixes.
     "hf_datasets": DatasetType(
-        lambda config, split, count: _packed(config, split, count, config.input_format),
+        lambda config, split_name, count: _packed(config, split_name, count, config.input_format),
         needs_tokenizer=True,
         default_shares="1,0,0",
     ),
     "json_file": DatasetType(
-        lambda config, split, count: _packed(config, split, count, None),
+        lambda config, split_name, count: _packed(config, split_name, count, None),
         needs_tokenizer=True,
         default_shares="1,0,0",
     ),
@@ -195,30 +195,30 @@ def split_shares(config: DatasetConfig) -> str | None:
     return config.split or dataset_type(config.type).default_shares
 
 
-def has_split(config: DatasetConfig, split: str) -> bool:
-    """Whether `split` has a share of the data to draw from."""
+def has_split(config: DatasetConfig, split_name: str) -> bool:
+    """Whether `split_name` has a share of the data to draw from."""
     shares = split_shares(config)
-    return shares is None or parse_split(shares)[_split_of(split)] > 0
+    return shares is None or parse_split(shares)[_split_of(split_name)] > 0
 
 
-def split_seed(config: DatasetConfig, split: str) -> int:
-    """The seed `split`'s samples are drawn with: a type without splits draws each split from
-    a seed of its own (its validation samples are not its training samples)."""
+def split_seed(config: DatasetConfig, split_name: str) -> int:
+    """The seed `split_name`'s samples are drawn with: a type without splits draws each split
+    from a seed of its own (its validation samples are not its training samples)."""
     if dataset_type(config.type).default_shares is None:
-        return config.seed + _split_of(split)
+        return config.seed + _split_of(split_name)
     return config.seed
 
 
-def dataset_identity(dataset: Any, config: DatasetConfig, split: str) -> dict[str, Any]:
-    """What identifies the samples of `dataset` (`split` built from `config`), whatever their
-    number: each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights,
+def dataset_identity(dataset: Any, config: DatasetConfig, split_name: str) -> dict[str, Any]:
+    """What identifies the samples of `dataset` (`split_name` built from `config`), whatever
+    their number: each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights,
     seed, length, split. A resume compares it; the index cache key (which also covers the
     sample count) is kept under `index_key` for reference."""
     out: dict[str, Any] = {
         "type": config.type,
         "seq_length": config.seq_length,
-        "seed": split_seed(config, split),
-        "split": split,
+        "seed": split_seed(config, split_name),
+        "split": split_name,
         "split_shares": split_shares(config),
         "vocab_size": config.vocab_size,
     }
@@ -248,10 +248,10 @@ def same_samples(saved: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 def build_dataset(
-    config: DatasetConfig, split: str = "train", num_samples: int | None = None
+    config: DatasetConfig, split_name: str = "train", num_samples: int | None = None
 ) -> Any:
-    """`num_samples` samples (None: one epoch; dummy: 10,000) of `split` of the dataset `config`
-    describes; an unknown type lists the valid ones."""
+    """`num_samples` samples (None: one epoch; dummy: 10,000) of `split_name` of the dataset
+    `config` describes; an unknown type lists the valid ones."""
     kind = dataset_type(config.type)
-    _split_of(split)
-    return kind.build(config, split, num_samples)
+    _split_of(split_name)
+    return kind.build(config, split_name, num_samples)

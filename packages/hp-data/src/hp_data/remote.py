@@ -99,7 +99,7 @@ class Pin:
 
     @property
     def number(self) -> int:
-        """The validators as one number, for `Shard.mtime_ns` (what a resume compares)."""
+        """The validators as one number, for `WorkUnit.mtime_ns` (what a resume compares)."""
         return xxhash.xxh3_64_intdigest(repr((self.tag, self.weak)).encode()) >> 1
 
     def holds(self, now: Pin) -> bool:

@@ -36,9 +36,9 @@ from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of
 from hp_data.format.metadata import read_metadata, shared_metadata
 from hp_data.format.reader import IndexedDataset
-from hp_data.plan import fingerprint, shard_groups, shard_name
+from hp_data.plan import plan_fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
-from hp_data.readers import Shard
+from hp_data.readers import WorkUnit
 from hp_data.redact import redact_data
 
 MANIFEST_VERSION = 2  # 2 added `files`, the size and checksum of each file of the shard
@@ -124,11 +124,11 @@ class ShardTask:
 
     @classmethod
     def of(
-        cls, base: str, index: int, count: int, units: Sequence[Shard], config: str
+        cls, base: str, index: int, count: int, units: Sequence[WorkUnit], config: str
     ) -> ShardTask:
         group = shard_groups(units, count)[index]
         mine = tuple(tuple(units[u].identity) for u in group)
-        plan = fingerprint(units)
+        plan = plan_fingerprint(units)
         return cls(prefix_of(base), index, count, group, len(units), plan, config, mine)
 
     @property
