@@ -3,11 +3,13 @@ and a norm equal to one process's."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from hp_runtime.model import preset
 from hp_runtime.parallel import ParallelDims, assemble
-from hp_runtime.parallel.clip import clip_grad_norm
+from hp_runtime.parallel.clip import clip_grad_norm, sum_of_squares
 
 from tests.helpers.distributed import run_ranks
 
@@ -37,3 +39,19 @@ def test_one_collective_per_placement_group_and_the_single_process_norm():
             # groups (column, row, replicated norms, embedding), still far fewer than the
             # parameters (one full_tensor() each before).
             assert collectives <= 4 < params, (dims, collectives, params)
+
+
+def test_sum_of_squares_is_the_exact_float64_sum_over_pieces():
+    """Tensors longer than one piece, a remainder, a transposed view and an empty one: equal
+    to the correctly rounded sum of the squares (each float32 square is exact in float64)."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3 * 65536 + 17, generator=generator) * 1e-3,
+        torch.randn(300, 70, generator=generator).t(),
+        torch.randn(5, generator=generator) * 1e3,
+        torch.zeros(0),
+    ]
+    exact = math.fsum(x * x for t in tensors for x in t.double().flatten().tolist())
+    assert abs(float(sum_of_squares(tensors)) - exact) <= 1e-12 * exact
+    float32 = float(torch.stack(torch._foreach_norm(tensors, 2)).double().square().sum())
+    assert abs(float32 - exact) > 1e-12 * exact  # the check can tell float32 from float64

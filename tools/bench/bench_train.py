@@ -12,9 +12,11 @@ are compared: on a shared 2-core machine single runs swing by about 5%.
 
 `--parts` times instead, on the same 2 ranks, model and batch, what hp-train's step does that
 the plain loop does not, next to the plain loop's own: hp's clipping (float64 norm of the
-local shards, one all-reduce) against `clip_grad_norm_`, the float64 norm alone against a
-float32 one, and hp's two small all-reduces (loss tokens; loss and stop request) against the
-plain loop's one, with a forward and backward for scale; min and median of `--rounds`.
+local shards, one all-reduce) against `clip_grad_norm_`; the local shards' float64 sum of
+squares as hp takes it (`clip.sum_of_squares`), as one `_foreach_norm` over whole tensors and
+per tensor with `vector_norm`, against a float32 norm; and hp's two small all-reduces (loss
+tokens; loss and stop request) against the plain loop's one, with a forward and backward for
+scale; min and median of `--rounds`.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def step_parts(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from hp_runtime.model import Transformer, init_weights, preset
-    from hp_runtime.parallel.clip import clip_grad_norm
+    from hp_runtime.model import Transformer, preset
+    from hp_runtime.parallel import init_weights
+    from hp_runtime.parallel.clip import clip_grad_norm, sum_of_squares
     from hp_runtime.parallel.fsdp import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -135,7 +138,12 @@ def step_parts(args: argparse.Namespace) -> None:
         "forward and backward": (forward_backward, 2),
         "hp clip (float64 norm)": (lambda: clip_grad_norm(params, 1.0), 20),
         "clip_grad_norm_": (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), 20),
-        "local norm, float64": (lambda: torch._foreach_norm(shards, 2, dtype=torch.float64), 20),
+        "local squares, hp": (lambda: sum_of_squares(shards), 20),
+        "float64 foreach, whole": (lambda: torch._foreach_norm(shards, 2, dtype=torch.float64), 20),
+        "float64 vector_norm": (
+            lambda: [torch.linalg.vector_norm(s, dtype=torch.float64) for s in shards],
+            20,
+        ),
         "local norm, float32": (lambda: torch._foreach_norm(shards, 2), 20),
         "hp's two all-reduces": (hp_collectives, 50),
         "plain loop's all-reduce": (lambda: dist.all_reduce(torch.zeros(())), 50),
@@ -227,6 +235,7 @@ def main() -> None:
             f"{args.seq} tokens, {args.steps} steps, steady state after {args.warmup}"
         )
         results: dict[str, list[dict[str, float]]] = {"hp": [], "plain": []}
+        ratios: list[float] = []  # each round's pair: a drift of the machine moves both
         for _ in range(args.rounds):
             results["hp"].append(run_hp(args, f"{work}/run-{time.monotonic_ns()}"))
             done = torchrun(
@@ -235,10 +244,12 @@ def main() -> None:
                 f"--cache={args.cache}",
             )  # fmt: skip
             results["plain"].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            hp_s, plain_s = results["hp"][-1]["tokens_per_s"], results["plain"][-1]["tokens_per_s"]
+            ratios.append(hp_s / plain_s)
+            load = os.getloadavg()[0]
             print(
-                "  round: hp {:.0f}, plain {:.0f} tokens/s".format(
-                    results["hp"][-1]["tokens_per_s"], results["plain"][-1]["tokens_per_s"]
-                ),
+                f"  round: hp {hp_s:.0f}, plain {plain_s:.0f} tokens/s, ratio {ratios[-1]:.3f} "
+                f"(load average {load:.2f})",
                 flush=True,
             )
         hp = {
@@ -253,6 +264,10 @@ def main() -> None:
             f"{hp['tokens_per_s'] / plain['tokens_per_s']:8.3f}"
         )
         print(f"{'data wait, max % of step':24}{hp['data_wait_pct']:12.2f}")
+        print(
+            f"ratio of each round's pair: min {min(ratios):.3f}, median "
+            f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,23 @@ def reduce_partial_grads(parameters: list[torch.nn.Parameter]) -> None:
             )
 
 
+_PIECE = 1 << 16  # elements: 256 kB of float32 and its 512 kB float64 copy stay in L2
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element, accumulated in float64 (a 0-d tensor on the
+    tensors' device).
+
+    On CUDA `_foreach_norm` reads float32 and accumulates in float64 as it goes. On CPU it
+    first copies each whole tensor to float64 (twice its bytes, through main memory), so there
+    the tensors are cut into cache-sized pieces: the same float64 sum, in less than half the time.
+    """
+    if tensors and tensors[0].device.type == "cpu":
+        tensors = [piece for t in tensors for piece in t.reshape(-1).split(_PIECE)]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
 @torch.no_grad()
 def grad_norm(
     parameters: Iterable[torch.nn.Parameter],
@@ -82,8 +99,7 @@ def grad_norm(
         groups.setdefault(key, []).append(_local(grad))
     total = torch.zeros((), dtype=torch.float64, device=device)
     for key, grads in groups.items():
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-        squares = torch.stack(norms).square().sum()
+        squares = sum_of_squares(grads)
         if key is not None:
             mesh, placements = key  # type: ignore[misc]
             for dim, placement in enumerate(placements):

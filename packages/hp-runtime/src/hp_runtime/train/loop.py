@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -110,7 +111,7 @@ class Loop:
         self.result = RunResult(self.t.steps, resumed_from=run.resumed_from)
         self.lagged = LaggedValues()
         self.skipped_since_log: set[int] = set()
-        self.step_times: list[float] = []
+        self.step_times: deque[float] = deque(maxlen=5)  # the time limit's margin
         self.signals = StopSignals()
 
     def train(self) -> RunResult:
@@ -317,5 +318,5 @@ class Loop:
         t, times = self.t, self.step_times
         if not t.time_limit or not self.runtime.is_main or not times:
             return False
-        margin = 2 * max(times[-5:]) + self.run.checkpointer.last_save_seconds
+        margin = 2 * max(times) + self.run.checkpointer.last_save_seconds
         return time.perf_counter() - self.started + margin >= t.time_limit
