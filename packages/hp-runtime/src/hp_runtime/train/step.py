@@ -55,7 +55,7 @@ class Stepper:
         pp_microbatches: int,
         autocast_dtype: torch.dtype | None,
         loss_parallel: bool,
-        use_positions: bool,
+        reset_position_ids: bool,
         document_masking: bool,
     ) -> None:
         self.assembly = assembly
@@ -64,7 +64,9 @@ class Stepper:
         self.pp_microbatches = pp_microbatches
         self.autocast_dtype = autocast_dtype
         self.loss_parallel = loss_parallel
-        self.use_positions = use_positions or document_masking
+        # The model reads the batch's position ids only where they are not 0..s-1 or where
+        # the documents they delimit mask the attention.
+        self.passes_positions = reset_position_ids or document_masking
         self.document_masking = document_masking
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
@@ -95,7 +97,7 @@ class Stepper:
 
     def _logits(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
-        positions = mb["position_ids"] if self.use_positions else None
+        positions = mb["position_ids"] if self.passes_positions else None
         logits = self.assembly.model(
             mb["tokens"], positions, document_masking=self.document_masking
         )
