@@ -120,7 +120,10 @@ class Outputs:
 
 
 def _preprocess_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
+    from hp_data.fast_bpe import probe_texts
     from hp_data.pipeline import PreprocessOptions, preprocess
+
+    probe_texts()  # drawn once here: each forked run (about 180) inherits them
 
     for name, count in (("a", 30), ("b", 40)):
         with open(root / f"{name}.jsonl", "w") as stream:

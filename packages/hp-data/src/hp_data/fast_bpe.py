@@ -321,6 +321,16 @@ def probe_texts(added: Sequence[str] = (), seed: int = 0) -> list[str]:
     """Texts that reach the corners where two BPE engines could part: every character below
     U+0100 alone and in words, random Unicode (combining marks, CJK, emoji, other scripts),
     runs of whitespace and digits, contractions, and the tokenizer's added tokens in text."""
+    texts = list(_general_probes(seed))
+    for token in added:
+        texts += [token, f"a{token}b", f" {token} ", f"{token}{token}", f"x {token}\n{token}"]
+    return texts
+
+
+@functools.lru_cache(maxsize=1)
+def _general_probes(seed: int) -> tuple[str, ...]:
+    """The probes every tokenizer gets, drawn once a process (a run that preprocesses again,
+    a worker that takes many tasks, pays for them once)."""
     rng = random.Random(seed)
     texts = [chr(c) for c in range(256)]
     texts += ["a" + chr(c) + "b " + chr(c) * 3 for c in range(256)]
@@ -356,9 +366,7 @@ def probe_texts(added: Sequence[str] = (), seed: int = 0) -> list[str]:
     for space in _SPACES:
         texts += [space * n + "x" + space * n for n in (1, 2, 5)] + [space * 7]
     texts += ["0", "12", "123", "1234", "12345678901234567890", "3.14159", "1,000,000", "x1y22"]
-    for token in added:
-        texts += [token, f"a{token}b", f" {token} ", f"{token}{token}", f"x {token}\n{token}"]
-    return texts
+    return tuple(texts)
 
 
 @dataclass(frozen=True)
