@@ -113,6 +113,17 @@ def test_unknown_type_and_missing_path_are_clear():
         build_dataset(DatasetConfig(type="megatron", seq_length=8, path="/nonexistent/p"))
 
 
+@pytest.mark.parametrize("kind", ["dummy", "megatron"])
+@pytest.mark.parametrize("name", ["train", "valid", "test"])
+def test_a_split_name_given_as_the_shares_names_build_datasets_argument(kind, name):
+    """`split` is the shares now; a split's name there (what it held before) says where the
+    name goes, and that call builds."""
+    with pytest.raises(HpDataError, match=rf"build_dataset\(config, '{name}'\)"):
+        DatasetConfig(type=kind, seq_length=8, path="/nonexistent/p", split=name)
+    dataset = build_dataset(DatasetConfig(type="dummy", seq_length=8), name, 3)
+    assert len(dataset) == 3
+
+
 UNGUARDED_SCRIPT = """
 from hp_data.registry import DatasetConfig, build_dataset
 

@@ -180,3 +180,26 @@ def test_a_missing_text_key_names_hp_trains_key(tmp_path, example_tokenizer):
     assert done.stderr.splitlines() == [
         f"hp-train: error: data: {corpus}:2: missing key 'text' (choose keys with data.text_key)"
     ]
+
+
+LAZY_FACE = """
+import contextlib, io, sys
+import hp_runtime.train as face
+from hp_runtime.train.cli import main
+listed = set(face.__all__) <= set(dir(face))
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    main(["--help"])
+print(listed, "torch" in sys.modules, "Usage: hp-train" in out.getvalue())
+face.ConfigError, face.train  # on first use, each from its module
+print("torch" in sys.modules)
+"""
+
+
+def test_the_package_face_and_help_load_no_torch_until_a_name_is_used():
+    """`hp-train --help` and `import hp_runtime.train` load no torch (PEP 562); dir() still
+    lists the face's names, and using one imports it."""
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LAZY_FACE], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True", "True"]

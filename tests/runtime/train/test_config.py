@@ -180,7 +180,7 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         ("train.seed=-1", "train.seed: must be from 0 to 2**32 - 1, got -1"),
         ("train.time_limit=-1", "train.time_limit: must be at least 0"),
         ("train.max_norm=-1", "train.max_norm: must be at least 0"),
-        ("data.seq_length=1", "data.seq_length: must be from 2 to 2**31 - 1, got 1"),
+        ("data.seq_length=1", "data.seq_length: must be from 2 to 2**31 - 2, got 1"),
         ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),
         ("metrics.peak_tflops=0", "metrics.peak_tflops: must be more than 0"),
         ("optim.lr=nan", "optim.lr: expected a number, got nan"),
@@ -437,3 +437,40 @@ def test_the_data_section_is_the_registry_config_and_hides_only_what_it_fixes():
     built = split_configs(config, "/run", validation=False)["train"]
     assert isinstance(built, DatasetConfig) and built.seed == 7 and built.vocab_size == 333
     assert built.cache_dir == os.path.join("/run", "index-cache")
+
+
+def _documented_keys(section: str) -> list[str]:
+    """The keys of `section`'s table in docs/training.md, in the order it lists them."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "training.md").read_text()
+    body = text.split(f"### `[{section}]`", 1)[1].split("\n#", 1)[0]
+    return [row.split("`")[1] for row in body.splitlines() if row.startswith("| `")]
+
+
+def test_the_data_keys_keep_the_documented_order():
+    """config.toml lists [data] as docs/training.md does, and the first missing key named is
+    the first one there (the library's fields come first in the dataclass)."""
+    text = to_toml(load_config(None, BASE))
+    section = text.split("[data]\n", 1)[1].split("\n[", 1)[0]
+    written = [line.lstrip("# ").split(" = ")[0] for line in section.splitlines() if " = " in line]
+    assert written == _documented_keys("data")
+    with pytest.raises(ConfigError, match=r"^data\.type: required"):
+        load_config(None, ["train.steps=3"])
+
+
+@pytest.mark.parametrize("length", [2**31 - 3, 2**31 - 2, 2**31 - 1, 2**31])
+def test_a_sequence_length_the_library_refuses_is_refused_by_its_key(length):
+    """data.seq_length takes exactly the lengths hp-data's GPTDatasetConfig takes, and a
+    refusal names the key (not "data: seq_length ...")."""
+    from hp_data.gpt import GPTDatasetConfig
+    from hp_data.index import IndexBuildError
+
+    try:
+        GPTDatasetConfig(seq_length=length)
+        library_takes = True
+    except IndexBuildError:
+        library_takes = False
+    message = _error(f"data.seq_length={length}")  # beyond model.max_seq_len, at most 2**24
+    if library_takes:
+        assert message.startswith(f"data.seq_length={length} is longer than model.max_seq_len")
+    else:
+        assert message.startswith("data.seq_length: must be from 2"), message

@@ -43,6 +43,15 @@ class DatasetConfig(GPTDatasetConfig):
     input_format: str | None = None  # hf_datasets: "hf-saved" (default detection) or "hf"
     workers: int | None = None  # json_file, hf_datasets: tokenizer processes (None: all cores)
 
+    def __post_init__(self) -> None:
+        if self.split in SPLITS:  # what `split` meant before it was the shares
+            raise HpDataError(
+                f"split {self.split!r}: DatasetConfig.split is the train,valid,test shares "
+                f'(e.g. "969,30,1"); name the split to build as build_dataset(config, '
+                f"{self.split!r})"
+            )
+        super().__post_init__()
+
 
 class DummyDataset:
     """`num_samples` samples of uniformly random tokens, the same for the same index and seed."""

@@ -29,4 +29,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hp_runtime.train' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:  # dir() and completion list the names before their first use
+    return sorted({*globals(), *_HOMES})
+
+
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]

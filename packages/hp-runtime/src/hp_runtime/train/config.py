@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from hp_data.errors import HpDataError
+from hp_data.gpt import MAX_SEQ_LENGTH
 from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
@@ -48,6 +49,25 @@ class DataConfig(DatasetConfig):
         "vocab_size",
         "input_format",
         "workers",
+    )
+    # The keys in the order docs/training.md lists them and config.toml writes them (the
+    # library's fields come first in the dataclass; the corpus reads better first).
+    order: ClassVar[tuple[str, ...]] = (
+        "type",
+        "path",
+        "tokenizer",
+        "seq_length",
+        "split",
+        "valid_path",
+        "seed",
+        "cache_dir",
+        "eod_mask_loss",
+        "reset_position_ids",
+        "document_masking",
+        "eod_token",
+        "text_key",
+        "num_workers",
+        "prefetch_factor",
     )
 
     type: Literal[tuple(DATASET_REGISTRY)]  # hp-data's dataset types
@@ -147,9 +167,11 @@ def key_of(f: dataclasses.Field) -> str:
 
 def key_fields(section: Any) -> list[dataclasses.Field]:
     """The fields of a section (class or instance) that are keys: all but those a library
-    type carries and the section keeps `fixed`."""
-    fixed = getattr(section, "fixed", ())
-    return [f for f in fields(section) if f.name not in fixed]
+    type carries and the section keeps `fixed`; in the section's `order` where it has one
+    (the first missing key named, the keys written), any key it does not list last."""
+    fixed, order = getattr(section, "fixed", ()), getattr(section, "order", ())
+    keys = [f for f in fields(section) if f.name not in fixed]
+    return sorted(keys, key=lambda f: order.index(f.name) if f.name in order else len(order))
 
 
 def _key_types(cls: type) -> dict[str, Any]:
@@ -200,7 +222,7 @@ class Range:
 
 
 def _bound(value: float) -> str:
-    names = {INT_MAX: "2**31 - 1", SEED_MAX: "2**32 - 1", 2**24: "2**24"}
+    names = {INT_MAX: "2**31 - 1", MAX_SEQ_LENGTH: "2**31 - 2", SEED_MAX: "2**32 - 1", 2**24: "2**24"}
     return names.get(value, repr(value)) if isinstance(value, int) else f"{value:g}"
 
 
@@ -224,7 +246,8 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": UP_TO_ONE,
     "model.init_std": UP_TO_ONE,
-    "data.seq_length": _ints(2),  # hp-data's GPTDataset: a sample predicts at least one token
+    # hp-data's GPTDataset: a sample predicts at least one token; its L + 1 tokens count in int32
+    "data.seq_length": _ints(2, MAX_SEQ_LENGTH),
     "data.seed": _ints(0, SEED_MAX),
     "data.eod_token": _ints(0),
     "data.num_workers": _ints(0, 1024),  # processes per rank
