@@ -222,7 +222,12 @@ class Range:
 
 
 def _bound(value: float) -> str:
-    names = {INT_MAX: "2**31 - 1", MAX_SEQ_LENGTH: "2**31 - 2", SEED_MAX: "2**32 - 1", 2**24: "2**24"}
+    names = {
+        INT_MAX: "2**31 - 1",
+        MAX_SEQ_LENGTH: "2**31 - 2",
+        SEED_MAX: "2**32 - 1",
+        2**24: "2**24",
+    }
     return names.get(value, repr(value)) if isinstance(value, int) else f"{value:g}"
 
 
