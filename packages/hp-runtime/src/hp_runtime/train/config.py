@@ -34,10 +34,9 @@ from hp_runtime.train.errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(DatasetConfig):
-    """The `[data]` section is hp-data's own dataset config (its keys are its fields: type,
-    path, tokenizer, seq_length, split, seed, cache_dir, eod_mask_loss, reset_position_ids,
-    eod_token, text_key) plus what the trainer adds around it. The library fields in `fixed`
-    are not keys: hp-train keeps Megatron's defaults, and draws `dummy` ids below
+    """The `[data]` section is hp-data's own dataset config (its fields are the keys, under
+    their own names) plus what the trainer adds around it. The library fields in `fixed` are
+    not keys: hp-train keeps Megatron's defaults, and draws `dummy` ids below
     `model.vocab_size`."""
 
     key_prefix: ClassVar[str] = "data."
