@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
+
+from hp_runtime.model.attention import MODES
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Which attention kernel runs (see `attention.py`); "auto" picks by batch and device.
+    attention: Literal["auto", "sdpa", "flex", "segments"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention not in MODES:
+            raise ValueError(f"attention={self.attention!r}; choose one of {', '.join(MODES)}")
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
             if getattr(self, name) < 1:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_runtime.model.attention import Layout, attend, document_ids
 from hp_runtime.model.config import ModelConfig
 
 
@@ -52,30 +53,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        # (q, k, v, layout) -> output; context parallelism wraps it to gather k and v first.
+        self.kernel = attend
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        tables: torch.Tensor,
-        positions: torch.Tensor | None,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: torch.Tensor, layout: Layout) -> torch.Tensor:
         batch, seq = x.shape[:2]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        positions = layout.positions
         if positions is None:  # counted here, where the sequence is whole (after SP gathers)
-            positions = torch.arange(seq, device=x.device).expand(batch, seq)
+            rows = layout.rows if layout.rows is not None else torch.arange(seq, device=x.device)
+            positions = rows.unsqueeze(0)
         q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
         repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-        )
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -102,21 +95,10 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         tables: torch.Tensor,
-        positions: torch.Tensor | None,
-        mask: torch.Tensor | None,
+        layout: Layout,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), tables, positions, mask)
+        x = x + self.attention(self.attention_norm(x), tables, layout)
         return x + self.feed_forward(self.ffn_norm(x))
-
-
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """A causal mask that also keeps attention inside documents, read from position ids that
-    restart at 0 at each document start: (b, 1, s, s) boolean, True = attend."""
-    starts = (position_ids == 0).cumsum(dim=-1)  # document number of each token
-    same = starts.unsqueeze(-1) == starts.unsqueeze(-2)
-    seq = position_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return (same & causal).unsqueeze(1)
 
 
 class Transformer(nn.Module):
@@ -152,13 +134,26 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_masking: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits of `tokens` (b, r). `position_ids` (b, s) restart at 0 at each document (None:
+        0..s-1); with `document_masking` attention stays inside the documents they delimit.
+        `rows` (r,) are the rows of the whole sequence that `tokens` are, when they are not all
+        of it (context parallelism); `position_ids` then cover the whole sequence."""
         if document_masking and position_ids is None:
             raise ValueError("document_masking needs position_ids (restarting at 0 per document)")
-        mask = document_mask(position_ids) if document_masking else None
+        positions = position_ids
+        if position_ids is not None and rows is not None:
+            positions = position_ids[:, rows]
+        layout = Layout(
+            mode=self.config.attention,
+            positions=positions,
+            documents=document_ids(position_ids) if document_masking else None,
+            rows=rows,
+        )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rotary, position_ids, mask)
+            h = layer(h, self.rotary, layout)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -114,8 +114,8 @@ def apply_tp(
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
