@@ -23,6 +23,27 @@ def batches(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
 
 
+def document_positions() -> list[torch.Tensor]:
+    """(BATCH, SEQ) position ids of packed documents for each step: each row cut at random
+    places into documents of 1 token and up, its first one continuing from the previous
+    sample (starting above 0)."""
+    generator = torch.Generator().manual_seed(321)
+    out = []
+    for _ in range(STEPS):
+        rows = []
+        for _ in range(BATCH):
+            starts = torch.randperm(SEQ - 1, generator=generator)[:5] + 1
+            row = torch.arange(SEQ)
+            for start in starts.sort().values.tolist():
+                row[start:] = torch.arange(SEQ - start)
+            offset = int(torch.randint(0, 9, (), generator=generator))
+            first = int(starts.min())
+            row[:first] += offset
+            rows.append(row)
+        out.append(torch.stack(rows))
+    return out
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -37,8 +58,9 @@ def train(
 ) -> dict[str, Any]:
     """Per-step global losses, gradient norms and the final full parameters of one layout.
 
-    `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile, and
-    sync_tied (False: the negative control that leaves the tied copies' gradients apart)."""
+    `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile,
+    documents (packed documents, attention masked to them), and sync_tied (False: the negative
+    control that leaves the tied copies' gradients apart)."""
     config = preset("tiny", **model_overrides)
     pipeline = pipeline or {}
     layout = ParallelDims(**(dims or {}))
@@ -63,25 +85,36 @@ def train(
         opt = torch.optim.SGD(params, lr=0.5)
     else:
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
+    documents = pipeline.get("documents", False)
+    positions = document_positions() if documents else [None] * STEPS
     losses, norms = [], []
-    for data in batches(config.vocab_size):
+    for data, position_ids in zip(batches(config.vocab_size), positions, strict=True):
         local = data.chunk(assembly.dp_size)[assembly.dp_rank]
+        inputs, targets, rows = local[:, :-1], local[:, 1:], None
+        if position_ids is not None:
+            position_ids = position_ids.chunk(assembly.dp_size)[assembly.dp_rank]
+        if assembly.cp is not None:  # this rank's rows of the sequence; positions stay whole
+            rows = assembly.cp.rows(SEQ, inputs.device)
+            inputs, targets = inputs[:, rows], targets[:, rows]
+        masking = {"document_masking": documents, "rows": rows}
+
         if assembly.schedule is not None:
             loss = pipeline_step(
                 assembly.schedule,
                 assembly.stage_ids,
                 assembly.total_stages,
-                local[:, :-1],
-                local[:, 1:],
+                inputs,
+                targets,
                 microbatches,
             )
         elif options.loss_parallel:
             # Logits stay sharded over the vocabulary; the loss is computed on the shards.
             with torch.distributed.tensor.parallel.loss_parallel():
-                loss = loss_fn(assembly.model(local[:, :-1]), local[:, 1:])
+                loss = loss_fn(assembly.model(inputs, position_ids, **masking), targets)
                 loss.backward()
         else:
-            loss = loss_fn(assembly.model(local[:, :-1]), local[:, 1:])
+            # Every rank holds as many tokens, so the mean of the ranks' means is the batch's.
+            loss = loss_fn(assembly.model(inputs, position_ids, **masking), targets)
             loss.backward()
         norm = assembly.finish_gradients(MAX_NORM, sync_tied=pipeline.get("sync_tied", True))
         norms.append(float(norm))

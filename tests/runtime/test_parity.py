@@ -17,6 +17,7 @@ from tests.helpers.distributed import run_ranks
 from tests.runtime.parity import MAX_NORM, train
 
 TIED = {"tie_embeddings": True}
+DOCS = {"documents": True}  # packed documents, attention masked to them
 # name: (world size, ParallelDims, model overrides, pipeline options)
 LAYOUTS = {
     "fsdp2": (2, {"dp_shard": 2}, {}, None),
@@ -40,17 +41,25 @@ LAYOUTS = {
     "pp2-tied": (2, {"pp": 2}, TIED, {"schedule": "1f1b"}),
     "fsdp2xpp2-tied": (4, {"dp_shard": 2, "pp": 2}, TIED, {"schedule": "1f1b"}),
     "tp2xpp2-tied": (4, {"tp": 2, "pp": 2}, TIED, {"schedule": "gpipe"}),
+    "cp2": (2, {"cp": 2}, {}, None),
+    "cp2-docs": (2, {"cp": 2}, {}, DOCS),
+    "cp4": (4, {"cp": 4}, {}, None),
+    "cp4-docs": (4, {"cp": 4}, {}, DOCS),
+    "fsdp2xcp2": (4, {"dp_shard": 2, "cp": 2}, {}, None),
+    "fsdp2xcp2-docs": (4, {"dp_shard": 2, "cp": 2}, TIED, DOCS),
+    "cp2xtp2": (4, {"cp": 2, "tp": 2}, {}, None),
+    "cp2xtp2-docs": (4, {"cp": 2, "tp": 2}, {}, DOCS),
 }
 
-ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel"}
+ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel", "cp2xtp2-docs"}
 
 _single: dict[str, dict] = {}
 
 
-def single(optimizer: str, overrides: dict) -> dict:
-    key = json.dumps([optimizer, overrides], sort_keys=True)
+def single(optimizer: str, overrides: dict, documents: bool = False) -> dict:
+    key = json.dumps([optimizer, overrides, documents], sort_keys=True)
     if key not in _single:
-        _single[key] = train(0, 1, None, optimizer, overrides)
+        _single[key] = train(0, 1, None, optimizer, overrides, {"documents": documents})
     return _single[key]
 
 
@@ -79,11 +88,12 @@ def _compare(results: list[dict], reference: dict, rtol: float, atol: float | No
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout):
     world, dims, overrides, pipeline = LAYOUTS[layout]
+    documents = (pipeline or {}).get("documents", False)
     sgd = run_ranks(train, world, dims, "sgd", overrides, pipeline)
-    _compare(sgd, single("sgd", overrides), 1e-5, 1e-5)
+    _compare(sgd, single("sgd", overrides, documents), 1e-5, 1e-5)
     if layout in ADAMW:
         adamw = run_ranks(train, world, dims, "adamw", overrides, pipeline)
-        _compare(adamw, single("adamw", overrides), 1e-3, None)
+        _compare(adamw, single("adamw", overrides, documents), 1e-3, None)
 
 
 @pytest.mark.slow

@@ -108,7 +108,10 @@ def _leftovers(marker: str) -> str:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["parallel.tp=4"], "dp_replicate*dp_shard*tp*pp = 1*1*4*1 = 4, but the world size is 2"),
+        (
+            ["parallel.tp=4"],
+            "dp_replicate*dp_shard*cp*tp*pp = 1*1*1*4*1 = 4, but the world size is 2",
+        ),
         (
             ["parallel.dp_shard=2", "train.global_batch_size=3", "train.micro_batch_size=1"],
             "train.global_batch_size=3 is not a multiple of train.micro_batch_size x data-parallel "

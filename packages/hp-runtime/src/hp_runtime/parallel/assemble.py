@@ -1,7 +1,7 @@
 """A rank's whole share of a parallel model, assembled in the one order that works.
 
 The protocol is order-sensitive, so it lives here once: build on meta → cut pipeline stages →
-parallelize each stage (TP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
+parallelize each stage (TP → CP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
 re-ties) → broadcast the tied embedding from the first stage to the last → build the schedule.
 After backward, `Assembly.finish_gradients` sums the tied copies' gradients and clips, counting
 the last stage's copy out of the norm. The trainer and the parity tests both call this.
@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.parallel.clip import clip_grad_norm
+from hp_runtime.parallel.cp import ContextParallel
 from hp_runtime.parallel.init import init_weights
-from hp_runtime.parallel.mesh import ParallelDims, data_parallel_mesh
+from hp_runtime.parallel.mesh import ParallelDims, data_parallel_mesh, dp_cp_mesh
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.parallel.parallelize import parallelize
 from hp_runtime.parallel.pp import build_schedule, stage_modules
@@ -42,6 +43,8 @@ class Assembly:
     tied: nn.Parameter | None = None
     tied_group: dist.ProcessGroup | None = None
     parameters: list[nn.Parameter] = field(default_factory=list)
+    dp_cp_mesh: DeviceMesh | None = None
+    cp: ContextParallel | None = None  # context parallelism's plan: this rank's rows
 
     @property
     def stage_ids(self) -> list[int]:
@@ -81,6 +84,16 @@ class Assembly:
         return None if self.dp_mesh is None else self.dp_mesh.get_group()
 
     @property
+    def dp_cp_size(self) -> int:
+        """Ranks a global batch's loss tokens are spread over; FSDP averages gradients over
+        them (dp_size x cp)."""
+        return self.dims.dp_cp_size
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        return None if self.dp_cp_mesh is None else self.dp_cp_mesh.get_group()
+
+    @property
     def tp_rank(self) -> int:
         return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
 
@@ -117,10 +130,11 @@ def assemble(
     options = options or ParallelOptions()
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims.validate(world, config)
-    mesh = dp_mesh = None
+    mesh = dp_mesh = dp_cp = None
     if dist.is_initialized():
         mesh = dims.build_mesh(device.type, world)
         dp_mesh = data_parallel_mesh(mesh)
+        dp_cp = dp_cp_mesh(mesh, dims)
     with torch.device("meta"):
         model = Transformer(config)
     stages: list[tuple[int, nn.Module]] = [(0, model)]
@@ -141,7 +155,17 @@ def assemble(
     for _, module in stages:
         module.to_empty(device=device)
         init_weights(module, seed=seed)
-    assembly = Assembly(stages, total_stages, device, mesh, dp_mesh, dims, pp_group=pp_group)
+    assembly = Assembly(
+        stages,
+        total_stages,
+        device,
+        mesh,
+        dp_mesh,
+        dims,
+        pp_group=pp_group,
+        dp_cp_mesh=dp_cp,
+        cp=ContextParallel(mesh["cp"]) if dims.cp > 1 else None,  # type: ignore[index]
+    )
     if dims.pp > 1 and config.tie_embeddings:
         assembly.tied, assembly.tied_group = tied_weight(stages), tied_group
         first_rank = int(mesh["pp"].mesh[0])  # type: ignore[index]

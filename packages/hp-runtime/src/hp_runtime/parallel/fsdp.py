@@ -28,7 +28,8 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
 ) -> None:
     """Shard each block, then the root (embedding, norm, head), over `mesh` (1-D: FSDP;
-    2-D (replicate, shard): HSDP)."""
+    2-D (replicate, shard): HSDP; the shard dim is dp_shard x cp under context parallelism,
+    see `mesh.fsdp_mesh`)."""
     policy = mixed_precision(device_type, param_dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -8,32 +8,42 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hp_runtime.model.config import ModelConfig
 
+# The mesh's dims, outermost first (torchtitan's order): a tensor-parallel group is the closest
+# ranks (one node's), a pipeline's stages the farthest apart. Stable names.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ORDER = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # as the degrees are written
+
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Replicated data parallel, sharded data parallel, tensor parallel and pipeline degrees.
+    """Replicated data parallel, sharded data parallel, context parallel, tensor parallel and
+    pipeline degrees.
 
-    `dp_replicate > 1` with `dp_shard > 1` is HSDP; `dp_shard > 1` alone is FSDP.
+    `dp_replicate > 1` with `dp_shard > 1` is HSDP; `dp_shard > 1` alone is FSDP. `cp > 1`
+    splits each sample's sequence over `cp` ranks, which read the same samples; FSDP shards
+    the parameters over `dp_shard x cp` (torchtitan's `dp_shard_cp`).
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     def validate(self, world_size: int, model: ModelConfig | None = None) -> None:
         """Raise ValueError naming what does not fit."""
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in ORDER:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.world_size != world_size:
+            product = "*".join(str(getattr(self, name)) for name in ORDER)
             raise ValueError(
-                f"dp_replicate*dp_shard*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.tp}*"
-                f"{self.pp} = {self.world_size}, but the world size is {world_size}"
+                f"{'*'.join(ORDER)} = {product} = {self.world_size}, but the world size is "
+                f"{world_size}"
             )
         if model is None:
             return
@@ -51,17 +61,50 @@ class ParallelDims:
         """Ranks that see different data: dp_replicate * dp_shard."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks a global batch's tokens are spread over, and FSDP averages gradients over:
+        dp_replicate * dp_shard * cp."""
+        return self.dp_size * self.cp
+
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """A mesh with dims named pp, dp_replicate, dp_shard, tp (sizes of 1 included)."""
+        """A mesh with dims named as `MESH_DIMS` (sizes of 1 included)."""
         self.validate(world_size)
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        shape = tuple(getattr(self, name) for name in MESH_DIMS)
+        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
+    """Dims `names` of `mesh` as one 1-D mesh called `name`. It creates process groups, so
+    every rank calls it at the same point (again, with the same names, it returns the same
+    mesh); keep the result (torch deprecates slicing it back out of the root mesh)."""
+    # Private: torch has no public way to flatten mesh dims yet.
+    return mesh[names]._flatten(name)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """dp_replicate x dp_shard of `mesh` as one 1-D mesh: the ranks that batches are split
-    over and losses reduced over. It creates process groups, so every rank calls it once, at
-    the same point; keep the result (torch deprecates slicing it back out of the root mesh)."""
-    # The one private call: torch has no public way to flatten mesh dims yet.
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """dp_replicate x dp_shard of `mesh` as one 1-D mesh, "dp": the ranks that batches are
+    split over (the ranks of a context-parallel group share a place in it)."""
+    return _flatten(mesh, ("dp_replicate", "dp_shard"), "dp")
+
+
+def dp_cp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """dp_replicate x dp_shard x cp as one 1-D mesh, "dp_cp": the ranks a global batch's loss
+    tokens are spread over (without context parallelism, the data-parallel mesh itself)."""
+    if dims.cp == 1:
+        return data_parallel_mesh(mesh)
+    return _flatten(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards parameters over: dp_shard, times cp under context parallelism
+    ("dp_shard_cp": the cp ranks' gradients are reduced too), with dp_replicate as the
+    leading, replicated dim of HSDP."""
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    shard = _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+    if dims.dp_replicate == 1:
+        return shard
+    # (dp_replicate, dp_shard_cp) on the two meshes' own groups, as fully_shard builds an HSDP
+    # mesh itself (private too; slicing a flattened dim out of the root mesh is deprecated).
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])

@@ -1,4 +1,4 @@
-"""The order the parallel dimensions are applied in, in one place: TP, AC, compile, FSDP
+"""The order the parallel dimensions are applied in, in one place: TP, CP, AC, compile, FSDP
 (pipeline stages are cut before, in `pp.py`, and each stage goes through here); and the
 parameter names as they were before these wrappers."""
 
@@ -10,8 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hp_runtime.parallel.ac import AC_NAME_PREFIX, apply_ac
 from hp_runtime.parallel.compile import COMPILE_NAME_PREFIX, apply_compile
+from hp_runtime.parallel.cp import ContextParallel, apply_cp
 from hp_runtime.parallel.fsdp import apply_fsdp
-from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.mesh import ParallelDims, fsdp_mesh
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.parallel.tp import apply_tp
 
@@ -24,22 +25,23 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Apply tensor parallel, then activation checkpointing, then per-block torch.compile, then
-    FSDP/HSDP, to a model (or a pipeline stage) still on the meta device. `param_dtype` is
-    FSDP's compute dtype (default: bf16 on GPU, fp32 on CPU)."""
+    """Apply tensor parallel, then context parallel, then activation checkpointing, then
+    per-block torch.compile, then FSDP/HSDP (over dp_shard x cp), to a model (or a pipeline
+    stage) still on the meta device. `param_dtype` is FSDP's compute dtype (default: bf16 on
+    GPU, fp32 on CPU)."""
     options = options or ParallelOptions()
     if dims.tp > 1:
         reduce_dtype = getattr(torch, options.tp_reduce_dtype) if options.tp_reduce_dtype else None
         apply_tp(model, mesh["tp"], options.loss_parallel, reduce_dtype)
+    if dims.cp > 1:
+        apply_cp(model, ContextParallel(mesh["cp"]), model.config.n_kv_heads // dims.tp)
     if options.activation_checkpointing != "none":
         apply_ac(model, options.activation_checkpointing, options.ac_every)
     if options.compile:
         apply_compile(model)
-    if dims.dp_size > 1:
-        hsdp = dims.dp_replicate > 1
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+    if dims.dp_cp_size > 1:
         reshard = options.fsdp_reshard_after_forward == "always"
-        apply_fsdp(model, dp_mesh, mesh.device_type, reshard, param_dtype)
+        apply_fsdp(model, fsdp_mesh(mesh, dims), mesh.device_type, reshard, param_dtype)
     return model
 
 

@@ -258,6 +258,7 @@ RANGES: dict[str, Range] = {
     "data.prefetch_factor": _ints(1, 1024),
     "parallel.dp_replicate": _ints(1),
     "parallel.dp_shard": _ints(1),
+    "parallel.cp": _ints(1),
     "parallel.tp": _ints(1),
     "parallel.pp": _ints(1),
     "parallel.pp_microbatches": _ints(1),
@@ -656,10 +657,24 @@ def check(config: Config) -> None:
             f"data.seq_length={data.seq_length} is longer than model.max_seq_len="
             f"{config.model.max_seq_len}; raise model.max_seq_len or shorten the sequences"
         )
-    if data.seq_length % config.parallel.tp:
+    cp = config.parallel.cp
+    if cp > 1 and data.seq_length % (2 * cp):
+        raise ConfigError(
+            f"data.seq_length={data.seq_length} does not divide into 2 x parallel.cp = {2 * cp} "
+            f"equal chunks (context parallelism gives each rank two); make it a multiple of "
+            f"{2 * cp}"
+        )
+    tp = config.parallel.tp
+    if cp == 1 and data.seq_length % tp:
         raise ConfigError(
             f"data.seq_length={data.seq_length} is not divisible by parallel.tp="
-            f"{config.parallel.tp} (sequence parallel splits the sequence)"
+            f"{tp} (sequence parallel splits the sequence)"
+        )
+    if cp > 1 and (data.seq_length // cp) % tp:
+        raise ConfigError(
+            f"data.seq_length={data.seq_length} / parallel.cp={cp} = {data.seq_length // cp} "
+            f"rows a context-parallel rank, not divisible by parallel.tp={tp} (sequence "
+            f"parallel splits them); make data.seq_length a multiple of {math.lcm(2 * cp, cp * tp)}"
         )
     vocab = config.model.vocab_size
     if data.eod_token is not None and not 0 <= data.eod_token < vocab:
@@ -676,6 +691,11 @@ def check(config: Config) -> None:
             f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
             f"is more than hp-train's {MAX_PARAMS:.3g}"
+        )
+    if cp > 1 and config.parallel.pp > 1:
+        raise ConfigError(
+            "parallel.cp > 1 needs parallel.pp = 1: a pipeline passes only hidden states "
+            "between stages, not the rows each context-parallel rank holds"
         )
     if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
         raise ConfigError(

@@ -48,7 +48,7 @@ def precision(
     mode = config.train.mixed_precision
     if not (mode == "bf16" or (mode == "auto" and device.type == "cuda")):
         return torch.float32, None
-    sharded = config.parallel.dp_size > 1
+    sharded = config.parallel.dp_cp_size > 1  # FSDP runs over dp_shard x cp
     return (torch.bfloat16, None) if sharded else (None, torch.bfloat16)
 
 
@@ -60,7 +60,7 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
         p.validate(runtime.world_size, config.model)
     except ValueError as exc:
         raise ConfigError(
-            f"parallel: {exc} (set parallel.dp_shard, tp, pp, dp_replicate)"
+            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate)"
         ) from None
     if p.loss_parallel and p.tp == 1:
         raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")

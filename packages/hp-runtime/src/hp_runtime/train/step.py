@@ -3,10 +3,11 @@ a pipeline, and the validation loss.
 
 The loss is the cross-entropy summed over the tokens whose `loss_mask` is 1, divided by the
 number of such tokens in the whole global batch (all accumulation steps, all data-parallel
-ranks). Each micro-batch's loss is scaled by `dp_size / tokens` because FSDP averages gradients
-over the data-parallel ranks; the result is the same loss and gradients whatever the layout and
-accumulation. The count and the reported loss travel in collectives on the device: no host
-sync.
+ranks). Each micro-batch's loss is scaled by `dp_cp_size / tokens` because FSDP averages
+gradients over the data-parallel and context-parallel ranks (a context-parallel rank holds some
+rows of each sample and counts their tokens); the result is the same loss and gradients
+whatever the layout and accumulation. The count and the reported loss travel in collectives on
+the device: no host sync.
 """
 
 from __future__ import annotations
@@ -80,26 +81,32 @@ class Stepper:
                 stack.enter_context(loss_parallel())
             yield
 
+    def _shard(self, micro: list[Batch]) -> list[Batch]:
+        """This rank's rows of each micro-batch under context parallelism (`parallel/cp.py`)."""
+        cp = self.assembly.cp
+        return micro if cp is None else [cp.shard(mb) for mb in micro]
+
     def _tokens(self, micro: list[Batch]) -> tuple[torch.Tensor, dist.Work | None]:
         """Loss tokens of the global batch (on the last stage; 1 elsewhere), summed over the
-        data-parallel ranks by an all-reduce that is still in flight: wait on the handle."""
+        data- and context-parallel ranks by an all-reduce that is still in flight: wait on
+        the handle."""
         if not self.assembly.has_last_stage:
             return torch.ones((), device=self.device), None
         count = torch.stack([mb["loss_mask"].sum() for mb in micro]).sum().float()
-        if self.assembly.dp_group is None:
+        if self.assembly.dp_cp_group is None:
             return count, None
-        return count, dist.all_reduce(count, group=self.assembly.dp_group, async_op=True)
+        return count, dist.all_reduce(count, group=self.assembly.dp_cp_group, async_op=True)
 
     def _set_scale(self, count: torch.Tensor, work: dist.Work | None) -> None:
         if work is not None:
             work.wait()
-        self.loss_fn.scale = self.assembly.dp_size / count.clamp(min=1.0)
+        self.loss_fn.scale = self.assembly.dp_cp_size / count.clamp(min=1.0)
 
     def _logits(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
         positions = mb["position_ids"] if self.passes_positions else None
         logits = self.assembly.model(
-            mb["tokens"], positions, document_masking=self.document_masking
+            mb["tokens"], positions, document_masking=self.document_masking, rows=mb.get("rows")
         )
         return logits, labels
 
@@ -138,6 +145,7 @@ class Stepper:
         rank's `flag`] (a stop request travels with the loss: no collective of its own);
         gradients are left for `Assembly.finish_gradients`."""
         a = self.assembly
+        micro = self._shard(micro)
         tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
@@ -153,13 +161,14 @@ class Stepper:
                     loss.backward()
                     local = local + loss.detach()
         shared = torch.full((), flag, device=self.device)
-        return self._global((local / a.dp_size).float(), shared)
+        return self._global((local / a.dp_cp_size).float(), shared)
 
     @torch.no_grad()
     def eval_sums(self, micro: list[Batch], count: int) -> torch.Tensor:
         """[cross-entropy sum, loss tokens] of this rank's `count` micro-batches, for
         `eval_loss` (zeros on ranks that do not report)."""
         a = self.assembly
+        micro = self._shard(micro)
         self.loss_fn.scale = torch.ones((), device=self.device)
         zero = torch.zeros((), device=self.device)
         with self._context():
