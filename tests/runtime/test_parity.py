@@ -49,9 +49,11 @@ LAYOUTS = {
     "fsdp2xcp2-docs": (4, {"dp_shard": 2, "cp": 2}, TIED, DOCS),
     "cp2xtp2": (4, {"cp": 2, "tp": 2}, {}, None),
     "cp2xtp2-docs": (4, {"cp": 2, "tp": 2}, {}, DOCS),
+    "hsdp2x1xcp2-docs": (4, {"dp_replicate": 2, "cp": 2}, {}, DOCS),
+    "cp2-ac-full-docs": (2, {"cp": 2}, {}, {**DOCS, "ac": "full"}),
 }
 
-ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel", "cp2xtp2-docs"}
+ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel", "cp2-docs"}
 
 _single: dict[str, dict] = {}
 
