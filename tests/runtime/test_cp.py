@@ -43,7 +43,8 @@ def test_a_sequence_that_does_not_split_into_2n_chunks_is_refused():
 def _gathered(rank: int, world: int) -> dict[str, Any]:
     """Shard a known batch and tensor on this rank, gather the tensor back, and backpropagate
     a weighted sum through the gather."""
-    from hp_runtime.parallel.cp import ContextParallel
+    from hp_runtime.model.attention import Layout, attend
+    from hp_runtime.parallel.cp import ContextParallel, GatheredKV
     from torch.distributed.device_mesh import init_device_mesh
 
     plan = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
@@ -61,7 +62,13 @@ def _gathered(rank: int, world: int) -> dict[str, Any]:
         "position_ids": torch.arange(16).repeat(2, 1),
     }
     shard = plan.shard(batch)
+    try:  # a forward that does not say which rows it holds
+        GatheredKV(attend, plan, 3)(full, full, full, Layout())
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     return {
+        "refused": refused,
         "whole": whole.detach().numpy(),
         "full": full.numpy(),
         "grad": local.grad.numpy(),
@@ -83,6 +90,9 @@ def test_the_gather_puts_every_row_back_and_its_backward_sums_onto_the_owner(wor
         assert shard["loss_mask"].shape == (2, 16 // world)
         assert shard["position_ids"].shape == (2, 16)  # whole: documents span every row
         np.testing.assert_array_equal(shard["rows"], rows)
+        assert (
+            got["refused"] == "context parallelism: call the model with the rows it holds (rows=)"
+        )
 
 
 BASE = ["data.type=dummy", "data.seq_length=32", "train.steps=3"]
