@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MODES = ("auto", "sdpa", "flex", "segments")  # model.attention: stable names
+from hp_runtime.model.config import MODES  # noqa: F401  (the names, kept torch-free there)
 
 
 @dataclass(frozen=True)

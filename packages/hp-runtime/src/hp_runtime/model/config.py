@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
-from hp_runtime.model.attention import MODES
+AttentionMode = Literal["auto", "sdpa", "flex", "segments"]  # model.attention: stable names
+MODES: tuple[str, ...] = get_args(AttentionMode)
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     # Which attention kernel runs (see `attention.py`); "auto" picks by batch and device.
-    attention: Literal["auto", "sdpa", "flex", "segments"] = "auto"
+    attention: AttentionMode = "auto"
 
     def __post_init__(self) -> None:
         if self.attention not in MODES:
