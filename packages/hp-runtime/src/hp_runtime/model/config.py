@@ -168,6 +168,31 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    # Meta's published shapes (Llama 3.2 1B and 3B, Llama 3.1 8B, 70B and 405B): the sizes,
+    # theta and scaling of their HF config.json, so `model.init_from` of Meta's checkpoint
+    # needs no override. max_seq_len is their 131,072 positions (the rotary table, 64 MiB in
+    # fp32): the tokens a sample trains on are `data.seq_length`. ("8b" above is Llama 3 8B.)
+    **{
+        name: ModelConfig(
+            vocab_size=128256,
+            dim=dim,
+            n_layers=layers,
+            n_heads=heads,
+            n_kv_heads=8,
+            ffn_hidden=ffn,
+            max_seq_len=131072,
+            rope_theta=500000.0,
+            rope_scaling=scaling,
+            tie_embeddings=tied,
+        )
+        for name, dim, layers, heads, ffn, scaling, tied in (
+            ("llama3-1b", 2048, 16, 32, 8192, LLAMA_32_SCALING, True),
+            ("llama3-3b", 3072, 28, 24, 8192, LLAMA_32_SCALING, True),
+            ("llama3-8b", 4096, 32, 32, 14336, LLAMA_31_SCALING, False),
+            ("llama3-70b", 8192, 80, 64, 28672, LLAMA_31_SCALING, False),
+            ("llama3-405b", 16384, 126, 128, 53248, LLAMA_31_SCALING, False),
+        )
+    },
 }
 
 
