@@ -426,6 +426,7 @@ def test_a_run_starts_from_an_hf_directory(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"initialised from {tmp_path / 'hf'}" in done.stdout
+    assert f"hp-train: {ModelConfig(**SHAPE).num_params():,} parameters | " in done.stdout
     wrong = hp_train_here(
         *FAST, *shape, "model.dim=32", "model.ffn_hidden=86", "data.type=dummy",
         "data.seq_length=24", "train.steps=2", f"model.init_from={tmp_path / 'hf'}",
