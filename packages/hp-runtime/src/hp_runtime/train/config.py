@@ -323,8 +323,8 @@ def _unknown(section: str, key: str | None) -> ConfigError:
 
 
 def _table_class(kind: Any) -> type | None:
-    """The dataclass a table key (`model.rope_scaling`) takes, if `kind` is one (or one or
-    none)."""
+    """The dataclass a table key (`model.rope_scaling`) takes, if `kind` is one, alone or
+    with none."""
     options = (
         typing.get_args(kind)
         if typing.get_origin(kind) in (typing.Union, types.UnionType)
