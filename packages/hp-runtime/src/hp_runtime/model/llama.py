@@ -3,6 +3,7 @@ plans live in `hp_runtime.parallel` and act on the module names used here."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -24,10 +25,33 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def inverse_frequencies(
+    config: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The (head_dim/2,) rotary frequencies, under the config's scaling (Meta's
+    `apply_scaling` of Llama 3.1, elementwise): long wavelengths slowed `factor` times,
+    short ones kept, the band between interpolated."""
+    half = config.head_dim // 2
+    exponents = torch.arange(0, half, device=device, dtype=dtype) / half
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    old = scaling.original_max_seq_len
+    smooth = (old / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    slowed = torch.where(
+        wavelength > old / scaling.low_freq_factor, inv_freq / scaling.factor, between
+    )
+    return torch.where(wavelength < old / scaling.high_freq_factor, inv_freq, slowed)
+
+
 def rotary_tables(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
     """cos and sin for every position up to max_seq_len, stacked: (2, max_seq_len, head_dim/2)."""
-    half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, device=device).float() / half))
+    inv_freq = inverse_frequencies(config, device)
     angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
     return torch.stack((angles.cos(), angles.sin()))
 

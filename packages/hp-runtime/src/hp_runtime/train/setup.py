@@ -314,7 +314,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             }
         )
     metrics.say(
-        f"hp-train: {config.model.num_params() / 1e6:.1f}M parameters | {runtime.world_size} "
+        f"hp-train: {config.model.num_params():,} parameters | {runtime.world_size} "
         f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
         f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
         f"accumulation | {t.steps} steps | data ready in {datasets.build_seconds:.2f} s"
