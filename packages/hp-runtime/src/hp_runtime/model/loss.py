@@ -38,11 +38,16 @@ def token_losses(
     `head(h)` for hidden states `h` (b, s, dim). Chunks span `chunk // b` positions (at least
     one) of every sample; `chunk = 0` computes the whole sequence at once, without recompute."""
     if chunk == 0:
-        return _chunk_losses(head, h, labels)
-    positions = max(1, chunk // labels.shape[0])
-    pairs = zip(h.split(positions, dim=1), labels.split(positions, dim=1), strict=True)
-    parts = [
-        checkpoint(_chunk_losses, head, part, target, use_reentrant=False, preserve_rng_state=False)
-        for part, target in pairs
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        parts = [_chunk_losses(head, h, labels)]
+    else:
+        positions = max(1, chunk // labels.shape[0])
+        pairs = zip(h.split(positions, dim=1), labels.split(positions, dim=1), strict=True)
+        parts = [
+            checkpoint(
+                _chunk_losses, head, part, target, use_reentrant=False, preserve_rng_state=False
+            )
+            for part, target in pairs
+        ]
+    # A new tensor even from one part, not a view: FSDP hooks the output of a forward, and
+    # warns that an in-place op on a view would lose that hook.
+    return torch.cat(parts, dim=1)
