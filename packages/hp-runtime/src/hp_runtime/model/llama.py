@@ -12,6 +12,7 @@ from torch import nn
 
 from hp_runtime.model.attention import Layout, attend, document_ids
 from hp_runtime.model.config import ModelConfig
+from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
 
 
 class RMSNorm(nn.Module):
@@ -159,11 +160,15 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_masking: bool = False,
         rows: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = CHUNK_TOKENS,
     ) -> torch.Tensor:
         """Logits of `tokens` (b, r). `position_ids` (b, s) restart at 0 at each document (None:
         0..s-1); with `document_masking` attention stays inside the documents they delimit.
         `rows` (r,) are the rows of the whole sequence that `tokens` are, when they are not all
-        of it (context parallelism); `position_ids` then cover the whole sequence."""
+        of it (context parallelism); `position_ids` then cover the whole sequence. With `labels`
+        (b, r) the head returns each token's cross-entropy (b, r) instead, its logits computed
+        `loss_chunk_tokens` at a time (`loss.token_losses`), never all at once."""
         if document_masking and position_ids is None:
             raise ValueError("document_masking needs position_ids (restarting at 0 per document)")
         positions = position_ids
@@ -179,7 +184,11 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rotary, layout)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if labels is not None:  # inside the forward, where FSDP has gathered the head
+            return token_losses(self.output, h, labels, loss_chunk_tokens)
+        return self.output(h)
 
 
 def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:

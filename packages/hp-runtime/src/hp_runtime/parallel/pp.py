@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -113,10 +113,12 @@ def pipeline_step(
     targets: torch.Tensor | None,
     microbatches: int,
     backward: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> torch.Tensor | None:
     """Run forward and backward (or, with `backward=False`, forward only) of one batch; on the
     last stage, the sum of the micro-batch losses (each already its share of the step's loss),
-    else None. The first stage gives `inputs`, the last `targets`, the others neither."""
+    else None. The first stage gives `inputs`, the last `targets`, the others neither.
+    `kwargs` go to the forward of this rank's stages, tensors split into micro-batches."""
     for batch in (inputs, targets):
         if batch is not None and batch.shape[0] % microbatches:
             raise ValueError(
@@ -124,10 +126,11 @@ def pipeline_step(
             )
     run = schedule.step if backward else schedule.eval
     losses: list[torch.Tensor] = []
+    kwargs = kwargs or {}
     if 0 in stage_ids:
-        run(inputs, target=targets, losses=losses)
+        run(inputs, target=targets, losses=losses, **kwargs)
     elif total_stages - 1 in stage_ids:
-        run(target=targets, losses=losses)
+        run(target=targets, losses=losses, **kwargs)
     else:
-        run()
+        run(**kwargs)
     return torch.stack(losses).sum() if losses else None

@@ -27,6 +27,7 @@ from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
 from hp_runtime.model.config import PRESETS, FieldError, ModelConfig
+from hp_runtime.model.loss import CHUNK_TOKENS
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.train.errors import ConfigError
@@ -99,6 +100,7 @@ class TrainConfig:
     spike_window: int = 100
     spike_sigma: float = 6.0
     time_limit: float = 0.0  # wall-clock seconds; 0: none
+    loss_chunk_tokens: int = CHUNK_TOKENS  # the head's logits this many at a time; 0: all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +276,7 @@ RANGES: dict[str, Range] = {
     "train.spike_window": _ints(1),
     "train.spike_sigma": POSITIVE,
     "train.time_limit": NON_NEGATIVE,
+    "train.loss_chunk_tokens": _ints(0),
     "optim.lr": POSITIVE,
     "optim.min_lr": NON_NEGATIVE,
     "optim.warmup_steps": _ints(0),

@@ -285,6 +285,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         config.parallel.loss_parallel,
         config.data.reset_position_ids,
         config.data.document_masking,
+        t.loss_chunk_tokens,
     )
     seq = config.data.seq_length
     throughput = Throughput(

@@ -7,6 +7,10 @@ ranks). Each micro-batch's loss is scaled by `dp_size / tokens` because FSDP ave
 over the data-parallel ranks; the result is the same loss and gradients whatever the layout and
 accumulation. The count and the reported loss travel in collectives on the device: no host
 sync.
+
+The model computes each token's cross-entropy itself, given the labels (`model/loss.py`): the
+head runs a chunk of the sequence at a time, inside the forward, so the fp32 logits of a whole
+micro-batch never exist. `TokenLoss` only sums and scales.
 """
 
 from __future__ import annotations
@@ -16,30 +20,27 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
 from hp_runtime.parallel.pp import pipeline_step
-
-IGNORE = -100  # label of a token whose loss_mask is 0
 
 Batch = dict[str, torch.Tensor]
 
 
 class TokenLoss:
     """Cross-entropy summed over a micro-batch's loss tokens, times `scale` (the weight of one
-    token in the step's loss, set before each step). It is the pipeline's `loss_fn` too, so it
-    exists before the model is assembled."""
+    token in the step's loss, set before each step), from the per-token losses the model
+    returns given the labels (0 at IGNORE). It is the pipeline's `loss_fn` too, so it exists
+    before the model is assembled; the pipeline passes the labels again, unused here."""
 
     def __init__(self, device: torch.device) -> None:
         self.scale = torch.ones((), device=device)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(
-            logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE
-        )
+    def __call__(self, losses: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        total = losses.sum()
         if isinstance(total, DTensor):  # vocabulary-parallel loss
             total = total.full_tensor()
         return total * self.scale
@@ -57,6 +58,7 @@ class Stepper:
         loss_parallel: bool,
         reset_position_ids: bool,
         document_masking: bool,
+        loss_chunk_tokens: int,
     ) -> None:
         self.assembly = assembly
         self.loss_fn = loss_fn
@@ -68,6 +70,7 @@ class Stepper:
         # the documents they delimit mask the attention.
         self.passes_positions = reset_position_ids or document_masking
         self.document_masking = document_masking
+        self.loss_chunk_tokens = loss_chunk_tokens  # the head's tokens at a time (model/loss.py)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
 
@@ -95,13 +98,17 @@ class Stepper:
             work.wait()
         self.loss_fn.scale = self.assembly.dp_size / count.clamp(min=1.0)
 
-    def _logits(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_losses(self, mb: Batch) -> torch.Tensor:
+        """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0."""
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
         positions = mb["position_ids"] if self.passes_positions else None
-        logits = self.assembly.model(
-            mb["tokens"], positions, document_masking=self.document_masking
+        return self.assembly.model(
+            mb["tokens"],
+            positions,
+            document_masking=self.document_masking,
+            labels=labels,
+            loss_chunk_tokens=self.loss_chunk_tokens,
         )
-        return logits, labels
 
     def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
         """`count` micro-batches through the schedule, `pp_microbatches` per schedule step.
@@ -116,8 +123,19 @@ class Stepper:
                 targets = torch.cat(
                     [mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE) for mb in group]
                 )
+            # The last stage's forward takes the labels too: it returns per-token losses.
+            forward = None
+            if targets is not None:
+                forward = {"labels": targets, "loss_chunk_tokens": self.loss_chunk_tokens}
             loss = pipeline_step(
-                a.schedule, a.stage_ids, a.total_stages, inputs, targets, n, backward=backward
+                a.schedule,
+                a.stage_ids,
+                a.total_stages,
+                inputs,
+                targets,
+                n,
+                backward=backward,
+                kwargs=forward,
             )
             if loss is not None:
                 total = total + loss.detach()
@@ -146,10 +164,10 @@ class Stepper:
             else:
                 local = torch.zeros((), device=self.device)
                 for i, mb in enumerate(micro):
-                    logits, labels = self._logits(mb)
+                    losses = self._token_losses(mb)
                     if i == 0:  # the count's all-reduce ran during the first forward
                         self._set_scale(tokens, work)
-                    loss = self.loss_fn(logits, labels)
+                    loss = self.loss_fn(losses)
                     loss.backward()
                     local = local + loss.detach()
         shared = torch.full((), flag, device=self.device)
@@ -166,7 +184,7 @@ class Stepper:
             if a.schedule is not None:
                 summed = self._pipeline(micro, count, backward=False)
             else:
-                summed = sum((self.loss_fn(*self._logits(mb)) for mb in micro), zero)
+                summed = sum((self.loss_fn(self._token_losses(mb)) for mb in micro), zero)
         tokens = sum((mb["loss_mask"].sum().float() for mb in micro), zero)
         return torch.stack([summed.float(), tokens if a.has_last_stage else zero])
 
