@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_runtime.parallel import Assembly
-from hp_runtime.parallel.pp import pipeline_step
+from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
 IGNORE = -100  # label of a token whose loss_mask is 0
 
@@ -68,6 +68,8 @@ class Stepper:
         # the documents they delimit mask the attention.
         self.passes_positions = reset_position_ids or document_masking
         self.document_masking = document_masking
+        if assembly.schedule is not None and self.passes_positions:
+            carry_positions(assembly.stages, assembly.total_stages, document_masking)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
 
@@ -110,7 +112,11 @@ class Stepper:
         total = torch.zeros((), device=self.device)
         for start in range(0, count, n):
             group = micro[start : start + n]
-            inputs = torch.cat([mb["tokens"] for mb in group]) if a.has_first_stage else None
+            inputs = None
+            if a.has_first_stage:
+                inputs = torch.cat([mb["tokens"] for mb in group])
+                if self.passes_positions:  # they travel with the activations to every stage
+                    inputs = (inputs, torch.cat([mb["position_ids"] for mb in group]))
             targets = None
             if a.has_last_stage:
                 targets = torch.cat(
