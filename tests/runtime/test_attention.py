@@ -3,7 +3,7 @@
 Outputs and the q, k, v gradients of `attend` in each mode equal a softmax over the masked
 scores in plain torch (fp32, within 1e-5) on packed batches: many short documents, one
 document spanning the sample, documents of length 1, a first document continuing from the
-previous sample, and query rows in two chunks (context parallelism). GQA throughout (4 query
+previous sample, and query rows in runs (context parallelism). GQA throughout (4 query
 heads on 2 key/value heads). `segments` runs with its packing bound at the default and at 8
 rows, so that at these tiny lengths it takes every branch (long causal documents, packed short
 ones, a continuing document cut into calls).
@@ -65,7 +65,15 @@ CASES = {
     "continues": positions([[20, 1, 27], [40, 8]], first=17),
     "long-and-short": positions([[30, 1, 1, 2, 14], [2, 44, 2]]),
 }
-TWO_CHUNKS = list(range(6, 18)) + list(range(30, 42))  # two mirrored chunks of the 48 rows
+TWO_CHUNKS = list(range(6, 18)) + list(range(30, 42))  # runs starting inside documents
+# The query rows a rank holds: None (all, in order); chunks as context parallelism gives them
+# (rank 0 of 2: the first and the last of 4 chunks); and runs in other orders.
+ROWS = {
+    "all-rows": None,
+    "two-chunks": TWO_CHUNKS,
+    "cp-rank-0": list(range(0, 12)) + list(range(36, 48)),
+    "reversed": list(range(30, 42)) + list(range(6, 18)),
+}
 
 
 def _inputs(batch: int, rows: int, generator: torch.Generator):
@@ -90,17 +98,17 @@ def segment_rows(request, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["segments", "sdpa", "auto"])
-@pytest.mark.parametrize("chunks", [False, True], ids=["all-rows", "two-chunks"])
+@pytest.mark.parametrize("held", list(ROWS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernels_equal_the_rule_with_gradients(mode, chunks, case, segment_rows):
+def test_kernels_equal_the_rule_with_gradients(mode, held, case, segment_rows):
     position_ids = CASES[case]
-    rows = TWO_CHUNKS if chunks else list(range(SEQ))
+    rows = ROWS[held] or list(range(SEQ))
     q, k, v, grad = _inputs(position_ids.shape[0], len(rows), torch.Generator().manual_seed(0))
     mask = rule(position_ids, rows)
     layout = Layout(
         mode=mode,
         documents=document_ids(position_ids),
-        rows=torch.tensor(rows) if chunks else None,
+        rows=None if ROWS[held] is None else torch.tensor(rows),
     )
     got, got_grads = _run(lambda q, k, v: attend(q, k, v, layout), q, k, v, grad)
     want, want_grads = _run(lambda q, k, v: reference(q, k, v, mask), q, k, v, grad)
@@ -122,19 +130,19 @@ def test_rows_without_documents_are_causal_on_global_rows(mode, segment_rows):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [False, True], ids=["all-rows", "two-chunks"])
+@pytest.mark.parametrize("held", list(ROWS))
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_forward_equals_the_rule_on_cpu(chunks, case):
+def test_flex_forward_equals_the_rule_on_cpu(held, case):
     """CPU FlexAttention has no backward in torch 2.15 (inputs must not require grad): the
     forward only, eager."""
     position_ids = CASES[case]
-    rows = TWO_CHUNKS if chunks else list(range(SEQ))
+    rows = ROWS[held] or list(range(SEQ))
     q, k, v, _ = _inputs(position_ids.shape[0], len(rows), torch.Generator().manual_seed(2))
     layout = Layout(
         mode="flex",
         documents=document_ids(position_ids),
-        rows=torch.tensor(rows) if chunks else None,
+        rows=None if ROWS[held] is None else torch.tensor(rows),
     )
     want = reference(q, k, v, rule(position_ids, rows))
     torch.testing.assert_close(attend(q, k, v, layout), want, atol=1e-5, rtol=1e-5)
@@ -148,16 +156,19 @@ def test_dense_mask_is_the_rule():
             assert torch.equal(got, rule(position_ids, rows))
 
 
-@pytest.mark.parametrize("chunks", [False, True], ids=["all-rows", "two-chunks"])
-def test_block_mask_tiles_are_exact(monkeypatch, chunks):
+@pytest.mark.parametrize("held", list(ROWS))
+def test_block_mask_tiles_are_exact(monkeypatch, held):
     """Full tiles hold only allowed pairs, skipped tiles none, partial tiles some: the block
     mask skips every tile it can and never one it must not (tiles of 4 at this length)."""
     monkeypatch.setattr(attention, "FLEX_BLOCK", 4)
     position_ids = torch.cat([CASES["many-short"], CASES["continues"], CASES["length-one"]])
-    rows = TWO_CHUNKS if chunks else list(range(SEQ))
+    rows = ROWS[held] or list(range(SEQ))
     mask = rule(position_ids, rows)[:, 0]
     made = block_mask(
-        document_ids(position_ids), torch.tensor(rows) if chunks else None, SEQ, torch.device("cpu")
+        document_ids(position_ids),
+        None if ROWS[held] is None else torch.tensor(rows),
+        SEQ,
+        torch.device("cpu"),
     )
     partial = _tile_set(made.kv_num_blocks, made.kv_indices)
     full = _tile_set(made.full_kv_num_blocks, made.full_kv_indices)

@@ -96,15 +96,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) ->
 # --- segments: causal SDPA per document, planned on the host ---
 
 
-def _runs(rows: torch.Tensor | None, count: int) -> list[tuple[int, int, int]]:
-    """(local start, global start, global stop) of each contiguous run of the query rows."""
+def _runs(rows: torch.Tensor | None, count: int) -> list[tuple[int, int]]:
+    """(first, end) global rows of each contiguous run of the `count` query rows, in order."""
     if rows is None:
-        return [(0, 0, count)]
+        return [(0, count)]
     breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()  # host sync
     bounds = [0, *breaks, count]
     firsts = rows[bounds[:-1]].tolist()
     return [
-        (start, first, first + stop - start)
+        (first, first + stop - start)
         for start, stop, first in zip(bounds[:-1], bounds[1:], firsts, strict=True)
     ]
 
@@ -117,14 +117,12 @@ def _starts(documents: torch.Tensor | None, keys: int) -> list[int]:
     return [0, *changes.tolist(), keys]  # host sync
 
 
-def _blocks(
-    starts: list[int], runs: list[tuple[int, int, int]]
-) -> list[tuple[int, int, int, bool]]:
+def _blocks(starts: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int, int, bool]]:
     """SDPA calls covering the query rows in local order: (first row, end row, first key,
     causal), global rows; a call's keys run from its first key to its end row. `causal`: one
     document from its start (square, no mask needed); else the call takes a mask."""
     blocks = []
-    for _, row, stop in runs:
+    for row, stop in runs:
         doc = bisect.bisect_right(starts, row) - 1  # the document holding `row`
         while row < stop:
             while starts[doc + 1] <= row:
@@ -163,7 +161,7 @@ def _segment_sample(
     k: torch.Tensor,
     v: torch.Tensor,
     documents: torch.Tensor | None,
-    runs: list[tuple[int, int, int]],
+    runs: list[tuple[int, int]],
 ) -> torch.Tensor:
     """`segments` for one sample's q, k, v (1, ., ., d) and (s,) document ids, or for a whole
     batch without documents."""
