@@ -148,6 +148,14 @@ def test_flex_forward_equals_the_rule_on_cpu(held, case):
     torch.testing.assert_close(attend(q, k, v, layout), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_forward_without_documents_is_causal_on_global_rows():
+    q, k, v, _ = _inputs(2, len(TWO_CHUNKS), torch.Generator().manual_seed(5))
+    want = reference(q, k, v, rule(torch.arange(SEQ).expand(2, SEQ), TWO_CHUNKS))
+    got = attend(q, k, v, Layout(mode="flex", rows=torch.tensor(TWO_CHUNKS)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_dense_mask_is_the_rule():
     """The reference the other tests of the runtime use, against the loops above."""
     for position_ids in CASES.values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -143,7 +144,7 @@ def _blocks(starts: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, i
     return blocks
 
 
-def _spans(x: torch.Tensor, bounds: list[int]):
+def _spans(x: torch.Tensor, bounds: list[int]) -> Callable[[int, int], torch.Tensor]:
     """A function giving rows [start, stop) of x (dim 2), both among `bounds`: x is split
     there once, not sliced per call, so the backward writes each row's gradient once."""
     sizes = [stop - start for start, stop in itertools.pairwise(bounds)]
@@ -239,7 +240,7 @@ def block_mask(
     if documents is None:
         some, full = some[None], full[None]
     else:
-        doc_min, doc_max = _tiles(documents[:, query_rows], FLEX_BLOCK)
+        doc_min, doc_max = _tiles(documents if rows is None else documents[:, rows], FLEX_BLOCK)
         key_doc_min, key_doc_max = _tiles(documents, FLEX_BLOCK)
         lo, hi = doc_min[:, :, None], doc_max[:, :, None]
         key_lo, key_hi = key_doc_min[:, None, :], key_doc_max[:, None, :]
@@ -269,7 +270,7 @@ def block_mask(
 _compiled_flex = None
 
 
-def _flex_attention(device: torch.device):
+def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     """flex_attention: compiled once on CUDA (torch.compile keeps one graph per shape, so a
     run's fixed shapes compile once and a new shape once more); eager elsewhere and inside a
     graph being compiled (the enclosing compile takes it in)."""
