@@ -10,7 +10,7 @@ import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from hp_runtime.model import preset
 from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
-from hp_runtime.parallel.pp import pipeline_step
+from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
 STEPS = 10
 BATCH = 4
@@ -21,6 +21,27 @@ MAX_NORM = 1.0  # small enough that clipping acts on some steps
 def batches(vocab: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(123)
     return [torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def position_batches() -> list[torch.Tensor]:
+    """Position ids of samples packed with documents of 1 to 11 tokens, the first of each
+    continuing from the previous sample (starting above 0) about half the time."""
+    generator = torch.Generator().manual_seed(321)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (), generator=generator))
+
+    steps = []
+    for _ in range(STEPS):
+        rows = []
+        for _ in range(BATCH):
+            ids, first = [], draw(2) * draw(20)
+            while len(ids) < SEQ:
+                ids += range(first, first + 1 + draw(11))
+                first = 0
+            rows.append(ids[:SEQ])
+        steps.append(torch.tensor(rows))
+    return steps
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -34,11 +55,14 @@ def train(
     optimizer: str,
     model_overrides: dict[str, Any],
     pipeline: dict[str, Any] | None = None,
+    documents: str | None = None,
 ) -> dict[str, Any]:
     """Per-step global losses, gradient norms and the final full parameters of one layout.
 
     `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile, and
-    sync_tied (False: the negative control that leaves the tied copies' gradients apart)."""
+    sync_tied (False: the negative control that leaves the tied copies' gradients apart).
+    `documents`: None (positions 0..s-1), "reset" (packed documents' position ids) or "mask"
+    (those and document masking)."""
     config = preset("tiny", **model_overrides)
     pipeline = pipeline or {}
     layout = ParallelDims(**(dims or {}))
@@ -63,18 +87,25 @@ def train(
         opt = torch.optim.SGD(params, lr=0.5)
     else:
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
+    masking = documents == "mask"
+    if documents is not None and assembly.schedule is not None:
+        carry_positions(assembly.stages, assembly.total_stages, masking)
     losses, norms = [], []
-    for data in batches(config.vocab_size):
+    for data, position_ids in zip(batches(config.vocab_size), position_batches(), strict=True):
         local = data.chunk(assembly.dp_size)[assembly.dp_rank]
+        positions = position_ids.chunk(assembly.dp_size)[assembly.dp_rank]
         if assembly.schedule is not None:
             loss = pipeline_step(
                 assembly.schedule,
                 assembly.stage_ids,
                 assembly.total_stages,
-                local[:, :-1],
+                local[:, :-1] if documents is None else (local[:, :-1], positions),
                 local[:, 1:],
                 microbatches,
             )
+        elif documents is not None:
+            loss = loss_fn(assembly.model(local[:, :-1], positions, masking), local[:, 1:])
+            loss.backward()
         elif options.loss_parallel:
             # Logits stay sharded over the vocabulary; the loss is computed on the shards.
             with torch.distributed.tensor.parallel.loss_parallel():

@@ -42,15 +42,38 @@ LAYOUTS = {
     "tp2xpp2-tied": (4, {"tp": 2, "pp": 2}, TIED, {"schedule": "gpipe"}),
 }
 
+# Packed documents through a pipeline: the position ids travel with the activations.
+# name: (world size, ParallelDims, model overrides, pipeline options, documents)
+DOCUMENT_LAYOUTS = {
+    "pp2-1f1b-mask": (2, {"pp": 2}, {}, {"schedule": "1f1b"}, "mask"),
+    "pp3-gpipe-mask": (3, {"pp": 3}, {"n_layers": 3}, {"schedule": "gpipe"}, "mask"),
+    "pp2-interleaved-mask": (
+        2,
+        {"pp": 2},
+        {"n_layers": 4},
+        {"schedule": "interleaved1f1b", "virtual_stages": 2},
+        "mask",
+    ),
+    "pp3-1f1b-tied-reset": (
+        3,
+        {"pp": 3},
+        {"n_layers": 3, **TIED},
+        {"schedule": "1f1b", "microbatches": 4},
+        "reset",
+    ),
+    "fsdp2xpp2-tied-mask": (4, {"dp_shard": 2, "pp": 2}, TIED, {"schedule": "1f1b"}, "mask"),
+    "tp2xpp2-mask": (4, {"tp": 2, "pp": 2}, {}, {"schedule": "gpipe"}, "mask"),
+}
+
 ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel"}
 
 _single: dict[str, dict] = {}
 
 
-def single(optimizer: str, overrides: dict) -> dict:
-    key = json.dumps([optimizer, overrides], sort_keys=True)
+def single(optimizer: str, overrides: dict, documents: str | None = None) -> dict:
+    key = json.dumps([optimizer, overrides, documents], sort_keys=True)
     if key not in _single:
-        _single[key] = train(0, 1, None, optimizer, overrides)
+        _single[key] = train(0, 1, None, optimizer, overrides, None, documents)
     return _single[key]
 
 
@@ -84,6 +107,23 @@ def test_layout_matches_one_process(layout):
     if layout in ADAMW:
         adamw = run_ranks(train, world, dims, "adamw", overrides, pipeline)
         _compare(adamw, single("adamw", overrides), 1e-3, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
+def test_pipeline_with_documents_matches_one_process(layout):
+    world, dims, overrides, pipeline, documents = DOCUMENT_LAYOUTS[layout]
+    sgd = run_ranks(train, world, dims, "sgd", overrides, pipeline, documents)
+    _compare(sgd, single("sgd", overrides, documents), 1e-5, 1e-5)
+
+
+def test_documents_change_the_run():
+    """The comparison above tells the position ids and the masks apart, so a pipeline that
+    lost either on the way would fail it."""
+    plain, reset, mask = (single("sgd", {}, documents) for documents in (None, "reset", "mask"))
+    for a, b in ((plain, reset), (reset, mask)):
+        with pytest.raises(AssertionError):
+            _compare([a], b, 1e-5, 1e-5)
 
 
 @pytest.mark.slow

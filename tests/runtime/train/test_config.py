@@ -111,11 +111,27 @@ def test_fsdp_reshard_after_forward_takes_always_or_never(tmp_path, toml, got):
         (["data.type=megatron"], "data.path: required for data.type = 'megatron'"),
         (["model.n_heads=3"], "model: dim=64 is not divisible by n_heads=3"),
         (["optim.min_lr=1"], "optim.min_lr=1.0 must be between 0 and optim.lr"),
-        (["parallel.pp=2", "data.reset_position_ids=true"], "need parallel.pp = 1"),
+        (["model.attention=fast"], "model.attention: expected one of 'auto', 'sdpa', 'flex'"),
+        (["model.attention=1"], "model.attention: expected one of 'auto', 'sdpa', 'flex'"),
+        (
+            ["model.attention=segments", "data.document_masking=true", "parallel.compile=true"],
+            "model.attention = 'segments' reads document boundaries on the host",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_attention_modes_check_the_device_and_the_pipeline_takes_documents():
+    flex = load_config(None, [*BASE, "model.attention=flex"])
+    with pytest.raises(ConfigError, match=r"^model.attention = 'flex' cannot train on the CPU"):
+        checked_plan(flex, ONE_RANK)
+    checked_plan(flex, Runtime(0, 1, 0, 1, torch.device("cuda")))
+    documents = ["data.document_masking=true", "data.reset_position_ids=true"]
+    for pp in (2, 3):
+        config = load_config(None, [*BASE, f"parallel.pp={pp}", "model.n_layers=3", *documents])
+        checked_plan(config, Runtime(0, pp, 0, pp, torch.device("cpu")))
 
 
 def test_missing_required_key_names_itself():

@@ -78,7 +78,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
-        # (q, k, v, layout) -> output; context parallelism wraps it to gather k and v first.
+        # (q, k, v, layout) -> output, k and v with n_kv_heads heads; context parallelism
+        # wraps it to gather k and v first.
         self.kernel = attend
 
     def forward(self, x: torch.Tensor, tables: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -91,8 +92,7 @@ class Attention(nn.Module):
             rows = layout.rows if layout.rows is not None else torch.arange(seq, device=x.device)
             positions = rows.unsqueeze(0)
         q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
-        repeat = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        # k and v keep their own (fewer) heads: the kernel shares them among q's.
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

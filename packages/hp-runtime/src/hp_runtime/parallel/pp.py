@@ -74,6 +74,35 @@ def stage_modules(
     return owned
 
 
+def carry_positions(
+    stages: list[tuple[int, nn.Module]], total_stages: int, document_masking: bool
+) -> None:
+    """Make every stage take `(h, position_ids)` and each but the last return them, so the
+    batch's position ids travel with the activations (a middle stage reads no data) and every
+    stage rotates, and with `document_masking` masks, by them. Call before the first step.
+
+    torch infers a stage's shapes by running it once on uninitialised tensors of the shapes
+    it receives: the ids a stage reads are clamped into the rotary table (a no-op on real
+    ids, which lie below max_seq_len), so that run cannot index out of it."""
+    for stage, module in stages:
+        forward, last = module.forward, stage == total_stages - 1
+        top = module.config.max_seq_len - 1
+
+        def carried(
+            h: torch.Tensor,
+            position_ids: torch.Tensor,
+            forward=forward,
+            last=last,
+            top=top,
+            **kwargs: Any,
+        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            positions = position_ids.clamp(0, top)
+            out = forward(h, positions, document_masking=document_masking, **kwargs)
+            return out if last else (out, position_ids)
+
+        module.forward = carried
+
+
 def build_schedule(
     stages: list[tuple[int, nn.Module]],
     pp_mesh: DeviceMesh,
@@ -109,7 +138,7 @@ def pipeline_step(
     schedule: PipelineScheduleSingle | PipelineScheduleMulti,
     stage_ids: list[int],
     total_stages: int,
-    inputs: torch.Tensor | None,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
     targets: torch.Tensor | None,
     microbatches: int,
     backward: bool = True,
@@ -117,9 +146,12 @@ def pipeline_step(
 ) -> torch.Tensor | None:
     """Run forward and backward (or, with `backward=False`, forward only) of one batch; on the
     last stage, the sum of the micro-batch losses (each already its share of the step's loss),
-    else None. The first stage gives `inputs`, the last `targets`, the others neither.
-    `kwargs` go to the forward of this rank's stages, tensors split into micro-batches."""
-    for batch in (inputs, targets):
+    else None. The first stage gives `inputs` (the tokens, or with `carry_positions` the
+    tokens and the position ids), the last `targets`, the others neither. `kwargs` go to the
+    forward of this rank's stages, tensors split into micro-batches."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    for batch in (*(inputs or ()), targets):
         if batch is not None and batch.shape[0] % microbatches:
             raise ValueError(
                 f"a batch of {batch.shape[0]} does not divide into {microbatches} micro-batches"
@@ -128,7 +160,7 @@ def pipeline_step(
     losses: list[torch.Tensor] = []
     kwargs = kwargs or {}
     if 0 in stage_ids:
-        run(inputs, target=targets, losses=losses, **kwargs)
+        run(*inputs, target=targets, losses=losses, **kwargs)  # type: ignore[misc]
     elif total_stages - 1 in stage_ids:
         run(target=targets, losses=losses, **kwargs)
     else:

@@ -721,10 +721,10 @@ def check(config: Config) -> None:
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
             f"is more than hp-train's {MAX_PARAMS:.3g}"
         )
-    if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
+    if model.attention == "segments" and data.document_masking and config.parallel.compile:
         raise ConfigError(
-            "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "
-            "passes only hidden states between stages, not position ids"
+            "model.attention = 'segments' reads document boundaries on the host, which a "
+            "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
 
 

@@ -66,6 +66,11 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
         raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
     if p.pp == 1 and p.pp_virtual_stages > 1:
         raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    if config.model.attention == "flex" and runtime.device.type == "cpu":
+        raise ConfigError(
+            f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
+            f"FlexAttention's forward only there): use 'auto' or 'segments'"
+        )
     return batch_plan(config)
 
 

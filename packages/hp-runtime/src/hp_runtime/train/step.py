@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
-from hp_runtime.parallel.pp import pipeline_step
+from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
 Batch = dict[str, torch.Tensor]
 
@@ -71,6 +71,8 @@ class Stepper:
         self.passes_positions = reset_position_ids or document_masking
         self.document_masking = document_masking
         self.loss_chunk_tokens = loss_chunk_tokens  # the head's tokens at a time (model/loss.py)
+        if assembly.schedule is not None and self.passes_positions:
+            carry_positions(assembly.stages, assembly.total_stages, document_masking)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
 
@@ -117,7 +119,11 @@ class Stepper:
         total = torch.zeros((), device=self.device)
         for start in range(0, count, n):
             group = micro[start : start + n]
-            inputs = torch.cat([mb["tokens"] for mb in group]) if a.has_first_stage else None
+            inputs = None
+            if a.has_first_stage:
+                inputs = torch.cat([mb["tokens"] for mb in group])
+                if self.passes_positions:  # they travel with the activations to every stage
+                    inputs = (inputs, torch.cat([mb["position_ids"] for mb in group]))
             targets = None
             if a.has_last_stage:
                 targets = torch.cat(
