@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from hp_runtime.model import preset
+from hp_runtime.model.attention import document_ids
 from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
@@ -89,7 +90,12 @@ def train(
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
     masking = documents == "mask"
     if documents is not None and assembly.schedule is not None:
-        carry_positions(assembly.stages, assembly.total_stages, masking)
+        names = ("position_ids", "documents") if masking else ("position_ids",)
+        carry_positions(assembly.stages, assembly.total_stages, names)
+
+    def carried(positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (positions, document_ids(positions)) if masking else (positions,)
+
     losses, norms = [], []
     for data, position_ids in zip(batches(config.vocab_size), position_batches(), strict=True):
         local = data.chunk(assembly.dp_size)[assembly.dp_rank]
@@ -99,7 +105,7 @@ def train(
                 assembly.schedule,
                 assembly.stage_ids,
                 assembly.total_stages,
-                local[:, :-1] if documents is None else (local[:, :-1], positions),
+                local[:, :-1] if documents is None else (local[:, :-1], *carried(positions)),
                 local[:, 1:],
                 microbatches,
             )

@@ -76,13 +76,15 @@ def test_accumulation_and_layouts_give_the_same_losses(overrides, tmp_path):
 
 
 @pytest.mark.slow
-def test_document_masking_through_a_pipeline_gives_the_same_losses(overrides):
-    """PP 3 (the middle stage reads no data: the position ids reach it with the activations)
-    equals one process with packed documents masked; without the masking the run differs."""
+@pytest.mark.parametrize("reset", ["true", "false"])
+def test_document_masking_through_a_pipeline_gives_the_same_losses(overrides, reset):
+    """PP 3 (the middle stage reads no data: the position ids and documents reach it with the
+    activations) equals one process with packed documents masked, the positions restarting at
+    each document or not; without the masking the run differs."""
     documents = [
         *overrides,
         "data.seq_length=64",
-        "data.reset_position_ids=true",
+        f"data.reset_position_ids={reset}",
         "data.document_masking=true",
     ]
     one = train_ranks(1, documents)[0]

@@ -55,6 +55,13 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).cumsum(dim=-1)
 
 
+def documents_after_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(b, s) document numbers where a document ends at each `eod` token (which belongs to the
+    document it ends): Megatron's `reset_attention_mask`, whatever the position ids."""
+    ends = tokens == eod
+    return ends.cumsum(dim=-1) - ends.long()
+
+
 def dense_mask(documents: torch.Tensor | None, rows: torch.Tensor, keys: int) -> torch.Tensor:
     """The rule as a boolean (b or 1, 1, len(rows), keys) mask, True = attend: the reference
     every kernel is tested against. O(rows x keys) memory."""

@@ -75,11 +75,12 @@ def stage_modules(
 
 
 def carry_positions(
-    stages: list[tuple[int, nn.Module]], total_stages: int, document_masking: bool
+    stages: list[tuple[int, nn.Module]], total_stages: int, names: tuple[str, ...]
 ) -> None:
-    """Make every stage take `(h, position_ids)` and each but the last return them, so the
-    batch's position ids travel with the activations (a middle stage reads no data) and every
-    stage rotates, and with `document_masking` masks, by them. Call before the first step.
+    """Make every stage take `(h, *carried)` and each but the last return them, where
+    `carried` are the batch's tensors named `names` (the forward's `position_ids` and/or
+    `documents`), so they travel with the activations (a middle stage reads no data) and every
+    stage rotates and masks by them. Call before the first step.
 
     torch infers a stage's shapes by running it once on uninitialised tensors of the shapes
     it receives: the ids a stage reads are clamped into the rotary table (a no-op on real
@@ -90,15 +91,17 @@ def carry_positions(
 
         def carried(
             h: torch.Tensor,
-            position_ids: torch.Tensor,
+            *tensors: torch.Tensor,
             forward=forward,
             last=last,
             top=top,
             **kwargs: Any,
-        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-            positions = position_ids.clamp(0, top)
-            out = forward(h, positions, document_masking=document_masking, **kwargs)
-            return out if last else (out, position_ids)
+        ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            named = dict(zip(names, tensors, strict=True))
+            if "position_ids" in named:
+                named["position_ids"] = named["position_ids"].clamp(0, top)
+            out = forward(h, **named, **kwargs)
+            return out if last else (out, *tensors)
 
         module.forward = carried
 

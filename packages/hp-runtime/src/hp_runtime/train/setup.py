@@ -289,7 +289,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         autocast_dtype,
         config.parallel.loss_parallel,
         config.data.reset_position_ids,
-        config.data.document_masking,
+        datasets.eod_token if config.data.document_masking else None,
         t.loss_chunk_tokens,
     )
     seq = config.data.seq_length

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hp_runtime.model.attention import documents_after_eod
 from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
@@ -57,7 +58,7 @@ class Stepper:
         autocast_dtype: torch.dtype | None,
         loss_parallel: bool,
         reset_position_ids: bool,
-        document_masking: bool,
+        document_end: int | None,
         loss_chunk_tokens: int,
     ) -> None:
         self.assembly = assembly
@@ -66,13 +67,17 @@ class Stepper:
         self.pp_microbatches = pp_microbatches
         self.autocast_dtype = autocast_dtype
         self.loss_parallel = loss_parallel
-        # The model reads the batch's position ids only where they are not 0..s-1 or where
-        # the documents they delimit mask the attention.
-        self.passes_positions = reset_position_ids or document_masking
-        self.document_masking = document_masking
+        # What the model reads of a batch besides its tokens: the position ids where they are
+        # not 0..s-1, and with `document_end` (the EOD id: document masking) the documents
+        # that end at each EOD token, whether or not the positions restart there (Megatron's
+        # reset_attention_mask and reset_position_ids are independent too).
+        self.document_end = document_end
+        self.reads = ("position_ids",) * reset_position_ids + ("documents",) * (
+            document_end is not None
+        )
         self.loss_chunk_tokens = loss_chunk_tokens  # the head's tokens at a time (model/loss.py)
-        if assembly.schedule is not None and self.passes_positions:
-            carry_positions(assembly.stages, assembly.total_stages, document_masking)
+        if assembly.schedule is not None and self.reads:
+            carry_positions(assembly.stages, assembly.total_stages, self.reads)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
 
@@ -100,16 +105,22 @@ class Stepper:
             work.wait()
         self.loss_fn.scale = self.assembly.dp_size / count.clamp(min=1.0)
 
+    def _documents(self, micro: list[Batch]) -> list[Batch]:
+        """Each micro-batch with the number of each token's document, under document
+        masking (on the device: no sync)."""
+        if self.document_end is None:
+            return micro
+        end = self.document_end
+        return [{**mb, "documents": documents_after_eod(mb["tokens"], end)} for mb in micro]
+
     def _token_losses(self, mb: Batch) -> torch.Tensor:
         """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0."""
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
-        positions = mb["position_ids"] if self.passes_positions else None
         return self.assembly.model(
             mb["tokens"],
-            positions,
-            document_masking=self.document_masking,
             labels=labels,
             loss_chunk_tokens=self.loss_chunk_tokens,
+            **{name: mb[name] for name in self.reads},
         )
 
     def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
@@ -122,8 +133,9 @@ class Stepper:
             inputs = None
             if a.has_first_stage:
                 inputs = torch.cat([mb["tokens"] for mb in group])
-                if self.passes_positions:  # they travel with the activations to every stage
-                    inputs = (inputs, torch.cat([mb["position_ids"] for mb in group]))
+                if self.reads:  # they travel with the activations to every stage
+                    carried = [torch.cat([mb[name] for mb in group]) for name in self.reads]
+                    inputs = (inputs, *carried)
             targets = None
             if a.has_last_stage:
                 targets = torch.cat(
@@ -162,6 +174,7 @@ class Stepper:
         rank's `flag`] (a stop request travels with the loss: no collective of its own);
         gradients are left for `Assembly.finish_gradients`."""
         a = self.assembly
+        micro = self._documents(micro)
         tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
@@ -184,6 +197,7 @@ class Stepper:
         """[cross-entropy sum, loss tokens] of this rank's `count` micro-batches, for
         `eval_loss` (zeros on ranks that do not report)."""
         a = self.assembly
+        micro = self._documents(micro)
         self.loss_fn.scale = torch.ones((), device=self.device)
         zero = torch.zeros((), device=self.device)
         with self._context():
