@@ -9,8 +9,9 @@ import torch.distributed as dist
 import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from hp_runtime.model import preset
+from hp_runtime.model.attention import document_ids
 from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
-from hp_runtime.parallel.pp import pipeline_step
+from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
 STEPS = 10
 BATCH = 4
@@ -23,25 +24,25 @@ def batches(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
 
 
-def document_positions() -> list[torch.Tensor]:
-    """(BATCH, SEQ) position ids of packed documents for each step: each row cut at random
-    places into documents of 1 token and up, its first one continuing from the previous
-    sample (starting above 0)."""
+def position_batches() -> list[torch.Tensor]:
+    """Position ids of samples packed with documents of 1 to 11 tokens, the first of each
+    continuing from the previous sample (starting above 0) about half the time."""
     generator = torch.Generator().manual_seed(321)
-    out = []
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (), generator=generator))
+
+    steps = []
     for _ in range(STEPS):
         rows = []
         for _ in range(BATCH):
-            starts = torch.randperm(SEQ - 1, generator=generator)[:5] + 1
-            row = torch.arange(SEQ)
-            for start in starts.sort().values.tolist():
-                row[start:] = torch.arange(SEQ - start)
-            offset = int(torch.randint(0, 9, (), generator=generator))
-            first = int(starts.min())
-            row[:first] += offset
-            rows.append(row)
-        out.append(torch.stack(rows))
-    return out
+            ids, first = [], draw(2) * draw(20)
+            while len(ids) < SEQ:
+                ids += range(first, first + 1 + draw(11))
+                first = 0
+            rows.append(ids[:SEQ])
+        steps.append(torch.tensor(rows))
+    return steps
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -55,12 +56,14 @@ def train(
     optimizer: str,
     model_overrides: dict[str, Any],
     pipeline: dict[str, Any] | None = None,
+    documents: str | None = None,
 ) -> dict[str, Any]:
     """Per-step global losses, gradient norms and the final full parameters of one layout.
 
-    `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile,
-    documents (packed documents, attention masked to them), and sync_tied (False: the negative
-    control that leaves the tied copies' gradients apart)."""
+    `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile, and
+    sync_tied (False: the negative control that leaves the tied copies' gradients apart).
+    `documents`: None (positions 0..s-1), "reset" (packed documents' position ids) or "mask"
+    (those and document masking)."""
     config = preset("tiny", **model_overrides)
     pipeline = pipeline or {}
     layout = ParallelDims(**(dims or {}))
@@ -85,36 +88,47 @@ def train(
         opt = torch.optim.SGD(params, lr=0.5)
     else:
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
-    documents = pipeline.get("documents", False)
-    positions = document_positions() if documents else [None] * STEPS
+    masking = documents == "mask"
+    # Context parallelism: the position ids travel whole (a stage's rows from their length).
+    carries = documents is not None or assembly.cp is not None
+    if carries and assembly.schedule is not None:
+        names = ("position_ids", "documents") if masking else ("position_ids",)
+        carry_positions(assembly.stages, assembly.total_stages, names, assembly.cp)
+
+    def carried(positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (positions, document_ids(positions)) if masking else (positions,)
+
     losses, norms = [], []
-    for data, position_ids in zip(batches(config.vocab_size), positions, strict=True):
+    for data, position_ids in zip(batches(config.vocab_size), position_batches(), strict=True):
         local = data.chunk(assembly.dp_size)[assembly.dp_rank]
         inputs, targets, rows = local[:, :-1], local[:, 1:], None
-        if position_ids is not None:
-            position_ids = position_ids.chunk(assembly.dp_size)[assembly.dp_rank]
+        positions = position_ids.chunk(assembly.dp_size)[assembly.dp_rank]
+        if documents is None:
+            positions = torch.arange(SEQ).repeat(positions.shape[0], 1)
         if assembly.cp is not None:  # this rank's rows of the sequence; positions stay whole
             rows = assembly.cp.rows(SEQ, inputs.device)
             inputs, targets = inputs[:, rows], targets[:, rows]
-        masking = {"document_masking": documents, "rows": rows}
-
         if assembly.schedule is not None:
             loss = pipeline_step(
                 assembly.schedule,
                 assembly.stage_ids,
                 assembly.total_stages,
-                inputs,
+                (inputs, *carried(positions)) if carries else inputs,
                 targets,
                 microbatches,
             )
+        elif documents is not None or rows is not None:
+            # Every rank holds as many tokens, so the mean of the ranks' means is the batch's.
+            logits = assembly.model(inputs, positions, masking, rows=rows)
+            loss = loss_fn(logits, targets)
+            loss.backward()
         elif options.loss_parallel:
             # Logits stay sharded over the vocabulary; the loss is computed on the shards.
             with torch.distributed.tensor.parallel.loss_parallel():
-                loss = loss_fn(assembly.model(inputs, position_ids, **masking), targets)
+                loss = loss_fn(assembly.model(inputs), targets)
                 loss.backward()
         else:
-            # Every rank holds as many tokens, so the mean of the ranks' means is the batch's.
-            loss = loss_fn(assembly.model(inputs, position_ids, **masking), targets)
+            loss = loss_fn(assembly.model(inputs), targets)
             loss.backward()
         norm = assembly.finish_gradients(MAX_NORM, sync_tied=pipeline.get("sync_tied", True))
         norms.append(float(norm))

@@ -1,9 +1,9 @@
 """Context parallelism (`parallel/cp.py`): the rows a rank keeps, the gather of the whole
-sequence and its backward, the `parallel.cp` key, and the trainer at cp 2 against one process
-on packed documents whose loss tokens differ between the cp ranks.
+sequence and its backward, the `parallel.cp` key, and the trainer at cp 2 and cp 2 x pp 2
+against one process on packed documents whose loss tokens differ between the cp ranks.
 
-The layouts' parity with one process (cp 2, cp 4, dp_shard 2 x cp 2, cp 2 x tp 2, each with and
-without document masking) is in test_parity.py; resuming across cp in
+The layouts' parity with one process (cp 2, cp 4, dp_shard 2 x cp 2, cp 2 x tp 2, cp 2 x pp 2,
+each with and without document masking) is in test_parity.py; resuming across cp in
 train/test_checkpoint.py (`test_resume_on_another_layout`).
 """
 
@@ -63,7 +63,7 @@ def _gathered(rank: int, world: int) -> dict[str, Any]:
     }
     shard = plan.shard(batch)
     try:  # a forward that does not say which rows it holds
-        GatheredKV(attend, plan, 3)(full, full, full, Layout())
+        GatheredKV(attend, plan)(full, full, full, Layout())
         refused = ""
     except ValueError as exc:
         refused = str(exc)
@@ -121,7 +121,6 @@ BASE = ["data.type=dummy", "data.seq_length=32", "train.steps=3"]
             "by parallel.tp=4 (sequence parallel splits them); make data.seq_length a multiple "
             "of 8",
         ),
-        (["parallel.cp=2", "parallel.pp=2"], "parallel.cp > 1 needs parallel.pp = 1"),
     ],
 )
 def test_a_bad_cp_is_one_line_naming_the_keys(overrides, message):
@@ -199,13 +198,14 @@ def _loss_tokens_per_rank(overrides: list[str], size: int) -> set[tuple[float, .
 
 
 @pytest.mark.slow
-def test_the_trainer_at_cp_2_equals_one_process_on_packed_documents(documents):
+def test_the_trainer_at_cp_2_and_cp_2_x_pp_2_equals_one_process_on_packed_documents(documents):
     one = train_ranks(1, documents)[0]
     cp = train_ranks(2, [*documents, "parallel.cp=2"])
+    pp = train_ranks(4, [*documents, "parallel.cp=2", "parallel.pp=2"])  # documents carried
     assert any(len(set(c)) > 1 for c in _loss_tokens_per_rank(documents, 2))
     assert len(one["losses"]) == STEPS and one["losses"][-1] < one["losses"][0]
     assert sorted(one["val_losses"]) == [2, 4]
-    for rank in cp:
+    for rank in cp + pp:
         np.testing.assert_allclose(rank["losses"], one["losses"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(rank["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0)
         for step, loss in one["val_losses"].items():

@@ -63,6 +63,56 @@ def test_document_masking_keeps_attention_inside_documents():
     assert not torch.allclose(unmasked_before[0, 5:], unmasked_after[0, 5:])
 
 
+def _megatron_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """megatron-core's reset_attention_mask, as its loop writes it: causal, and for each EOD
+    token at index i no query after i sees a key at or before i. (b, 1, s, s), True = attend."""
+    batch, seq = tokens.shape
+    mask = torch.ones(batch, seq, seq, dtype=torch.bool).tril()
+    for b in range(batch):
+        for i in (tokens[b] == eod).nonzero().flatten().tolist():
+            mask[b, i + 1 :, : i + 1] = False
+    return mask.unsqueeze(1)
+
+
+def test_documents_after_eod_mask_as_megatron_without_resetting_positions():
+    """Document masking with positions 0..s-1 (no reset_position_ids): the documents end at
+    each EOD token, as megatron-core's reset_attention_mask; outputs and gradients equal the
+    model run with Megatron's mask written by its loop, and differ from no masking."""
+    from hp_runtime.model.attention import documents_after_eod
+
+    config = preset("tiny")
+    eod = 3
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(4, config.vocab_size, (2, 24), generator=generator)
+    tokens[0, [0, 6, 7, 15]] = eod  # an EOD first, two in a row, one mid-sample
+    tokens[1, 23] = eod  # the last token: no document after it
+    reference = _megatron_mask(tokens, eod)
+
+    def run(documents: torch.Tensor | None, mask: torch.Tensor | None):
+        model = Transformer(config)
+        init_weights(model, seed=1)
+        if mask is not None:
+            for block in model.layers.values():
+
+                def kernel(q, k, v, layout):
+                    repeat = q.shape[1] // k.shape[1]
+                    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+                block.attention.kernel = kernel
+        out = model(tokens, documents=documents)
+        out.square().mean().backward()
+        return out, [p.grad for p in model.parameters()]
+
+    got, got_grads = run(documents_after_eod(tokens, eod), None)
+    want, want_grads = run(None, reference)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    plain, _ = run(None, None)
+    assert not torch.allclose(plain, want, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("dims", "world", "message"),
     [

@@ -17,7 +17,6 @@ from tests.helpers.distributed import run_ranks
 from tests.runtime.parity import MAX_NORM, train
 
 TIED = {"tie_embeddings": True}
-DOCS = {"documents": True}  # packed documents, attention masked to them
 # name: (world size, ParallelDims, model overrides, pipeline options)
 LAYOUTS = {
     "fsdp2": (2, {"dp_shard": 2}, {}, None),
@@ -42,26 +41,52 @@ LAYOUTS = {
     "fsdp2xpp2-tied": (4, {"dp_shard": 2, "pp": 2}, TIED, {"schedule": "1f1b"}),
     "tp2xpp2-tied": (4, {"tp": 2, "pp": 2}, TIED, {"schedule": "gpipe"}),
     "cp2": (2, {"cp": 2}, {}, None),
-    "cp2-docs": (2, {"cp": 2}, {}, DOCS),
     "cp4": (4, {"cp": 4}, {}, None),
-    "cp4-docs": (4, {"cp": 4}, {}, DOCS),
     "fsdp2xcp2": (4, {"dp_shard": 2, "cp": 2}, {}, None),
-    "fsdp2xcp2-docs": (4, {"dp_shard": 2, "cp": 2}, TIED, DOCS),
     "cp2xtp2": (4, {"cp": 2, "tp": 2}, {}, None),
-    "cp2xtp2-docs": (4, {"cp": 2, "tp": 2}, {}, DOCS),
-    "hsdp2x1xcp2-docs": (4, {"dp_replicate": 2, "cp": 2}, {}, DOCS),
-    "cp2-ac-full-docs": (2, {"cp": 2}, {}, {**DOCS, "ac": "full"}),
+    "cp2xpp2-tied": (4, {"cp": 2, "pp": 2}, TIED, {"schedule": "1f1b"}),
 }
 
-ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel", "cp2-docs"}
+# Packed documents, masked: through a pipeline the position ids travel with the activations,
+# under context parallelism they stay whole on every rank.
+# name: (world size, ParallelDims, model overrides, pipeline options, documents)
+DOCUMENT_LAYOUTS = {
+    "pp2-1f1b-mask": (2, {"pp": 2}, {}, {"schedule": "1f1b"}, "mask"),
+    "pp3-gpipe-mask": (3, {"pp": 3}, {"n_layers": 3}, {"schedule": "gpipe"}, "mask"),
+    "pp2-interleaved-mask": (
+        2,
+        {"pp": 2},
+        {"n_layers": 4},
+        {"schedule": "interleaved1f1b", "virtual_stages": 2},
+        "mask",
+    ),
+    "pp3-1f1b-tied-reset": (
+        3,
+        {"pp": 3},
+        {"n_layers": 3, **TIED},
+        {"schedule": "1f1b", "microbatches": 4},
+        "reset",
+    ),
+    "fsdp2xpp2-tied-mask": (4, {"dp_shard": 2, "pp": 2}, TIED, {"schedule": "1f1b"}, "mask"),
+    "tp2xpp2-mask": (4, {"tp": 2, "pp": 2}, {}, {"schedule": "gpipe"}, "mask"),
+    "cp2-mask": (2, {"cp": 2}, {}, None, "mask"),
+    "cp4-mask": (4, {"cp": 4}, {}, None, "mask"),
+    "fsdp2xcp2-tied-mask": (4, {"dp_shard": 2, "cp": 2}, TIED, None, "mask"),
+    "cp2xtp2-mask": (4, {"cp": 2, "tp": 2}, {}, None, "mask"),
+    "hsdp2x1xcp2-mask": (4, {"dp_replicate": 2, "cp": 2}, {}, None, "mask"),
+    "cp2-ac-full-mask": (2, {"cp": 2}, {}, {"ac": "full"}, "mask"),
+    "cp2xpp2-mask": (4, {"cp": 2, "pp": 2}, {}, {"schedule": "gpipe"}, "mask"),
+}
+
+ADAMW = {"hsdp2x2", "fsdp2xtp2", "pp2-tied", "tp2-loss-parallel", "cp2"}
 
 _single: dict[str, dict] = {}
 
 
-def single(optimizer: str, overrides: dict, documents: bool = False) -> dict:
+def single(optimizer: str, overrides: dict, documents: str | None = None) -> dict:
     key = json.dumps([optimizer, overrides, documents], sort_keys=True)
     if key not in _single:
-        _single[key] = train(0, 1, None, optimizer, overrides, {"documents": documents})
+        _single[key] = train(0, 1, None, optimizer, overrides, None, documents)
     return _single[key]
 
 
@@ -90,12 +115,28 @@ def _compare(results: list[dict], reference: dict, rtol: float, atol: float | No
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout):
     world, dims, overrides, pipeline = LAYOUTS[layout]
-    documents = (pipeline or {}).get("documents", False)
     sgd = run_ranks(train, world, dims, "sgd", overrides, pipeline)
-    _compare(sgd, single("sgd", overrides, documents), 1e-5, 1e-5)
+    _compare(sgd, single("sgd", overrides), 1e-5, 1e-5)
     if layout in ADAMW:
         adamw = run_ranks(train, world, dims, "adamw", overrides, pipeline)
-        _compare(adamw, single("adamw", overrides, documents), 1e-3, None)
+        _compare(adamw, single("adamw", overrides), 1e-3, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
+def test_layout_with_documents_matches_one_process(layout):
+    world, dims, overrides, pipeline, documents = DOCUMENT_LAYOUTS[layout]
+    sgd = run_ranks(train, world, dims, "sgd", overrides, pipeline, documents)
+    _compare(sgd, single("sgd", overrides, documents), 1e-5, 1e-5)
+
+
+def test_documents_change_the_run():
+    """The comparison above tells the position ids and the masks apart, so a pipeline that
+    lost either on the way would fail it."""
+    plain, reset, mask = (single("sgd", {}, documents) for documents in (None, "reset", "mask"))
+    for a, b in ((plain, reset), (reset, mask)):
+        with pytest.raises(AssertionError):
+            _compare([a], b, 1e-5, 1e-5)
 
 
 @pytest.mark.slow

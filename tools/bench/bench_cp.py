@@ -1,10 +1,11 @@
 """Context parallelism: activation memory per rank and step time at cp 1, 2 and 4, side by side.
 
 One fixed long sequence (default: 8,192 tokens, micro-batch 1) through the `small` model's
-shape (vocabulary 8,192 by default, so that the logits do not hide the rest), one optimizer-free
-training step as hp-train runs it (`Stepper.train_step`: the micro-batch sharded into this
-rank's rows, forward, loss, backward; then `finish_gradients`), on `cp` ranks of gloo with one
-thread each, each layout launched by torchrun in processes of its own.
+shape (vocabulary 8,192 by default), one optimizer-free training step as hp-train runs it
+(`Stepper.train_step`: the micro-batch sharded into this rank's rows, forward, the chunked
+loss, backward; then `finish_gradients`), on `cp` ranks of gloo with one thread each, each
+layout launched by torchrun in processes of its own. With `--documents D` the sample packs D
+documents and attention is masked to them (`data.document_masking`).
 
 Activation memory is the peak resident set of the step above the resident set before it
 (Linux's VmHWM, reset through /proc/self/clear_refs before each step; gradients and FSDP's
@@ -42,18 +43,22 @@ def _status(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+EOD = 0  # the end-of-document id of the bench's samples
+
+
 def _batch(args: argparse.Namespace, vocab: int) -> dict:
-    """The one sample every layout trains on: random tokens, and with `--documents` D the
-    position ids of D packed documents of random lengths."""
+    """The one sample every layout trains on: random tokens, and with `--documents` D, D
+    packed documents of random lengths, each but the last ending in an EOD token."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    text = torch.randint(0, vocab, (1, args.seq + 1), generator=generator)
+    text = torch.randint(EOD + 1, vocab, (1, args.seq + 1), generator=generator)
     positions = torch.arange(args.seq)
     if args.documents > 1:
         starts = torch.randperm(args.seq - 1, generator=generator)[: args.documents - 1] + 1
         for start in starts.sort().values.tolist():
             positions[start:] = torch.arange(args.seq - start)
+            text[0, start - 1] = EOD
     return {
         "tokens": text[:, :-1],
         "labels": text[:, 1:],
@@ -67,6 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from hp_runtime.model import preset
+    from hp_runtime.model.loss import CHUNK_TOKENS
     from hp_runtime.parallel import ParallelDims, assemble
     from hp_runtime.train.step import Stepper, TokenLoss
 
@@ -77,8 +83,8 @@ def worker(args: argparse.Namespace) -> None:
     config = preset("small", vocab_size=args.vocab, max_seq_len=args.seq)
     loss_fn = TokenLoss(device)
     assembly = assemble(config, ParallelDims(cp=world), device, seed=0)
-    documents = args.documents > 1
-    stepper = Stepper(assembly, loss_fn, 1, None, False, False, documents)
+    document_end = EOD if args.documents > 1 else None  # data.document_masking on
+    stepper = Stepper(assembly, loss_fn, 1, None, False, False, document_end, CHUNK_TOKENS)
     batch = _batch(args, config.vocab_size)
     peaks, seconds = [], []
     for step in range(args.warmup + args.steps):

@@ -99,6 +99,8 @@ def test_fsdp_reshard_after_forward_takes_always_or_never(tmp_path, toml, got):
         (["optimizer.lr=1"], "optimizer: unknown section; did you mean optim?"),
         (["train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
         (["train.steps=2.5"], "train.steps: expected an integer, got 2.5 (float)"),
+        (["train.loss_chunk_tokens=1024.5"], "train.loss_chunk_tokens: expected an integer"),
+        (["train.loss_chunk_tokens=auto"], "train.loss_chunk_tokens: expected an integer"),
         (["optim.lr=fast"], "optim.lr: expected a number, got 'fast'"),
         (["model.tie_embeddings=1"], "model.tie_embeddings: expected true or false, got 1"),
         (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule: expected one of 'gpipe'"),
@@ -109,11 +111,27 @@ def test_fsdp_reshard_after_forward_takes_always_or_never(tmp_path, toml, got):
         (["data.type=megatron"], "data.path: required for data.type = 'megatron'"),
         (["model.n_heads=3"], "model: dim=64 is not divisible by n_heads=3"),
         (["optim.min_lr=1"], "optim.min_lr=1.0 must be between 0 and optim.lr"),
-        (["parallel.pp=2", "data.reset_position_ids=true"], "need parallel.pp = 1"),
+        (["model.attention=fast"], "model.attention: expected one of 'auto', 'sdpa', 'flex'"),
+        (["model.attention=1"], "model.attention: expected one of 'auto', 'sdpa', 'flex'"),
+        (
+            ["model.attention=segments", "data.document_masking=true", "parallel.compile=true"],
+            "model.attention = 'segments' reads document boundaries on the host",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_attention_modes_check_the_device_and_the_pipeline_takes_documents():
+    flex = load_config(None, [*BASE, "model.attention=flex"])
+    with pytest.raises(ConfigError, match=r"^model.attention = 'flex' cannot train on the CPU"):
+        checked_plan(flex, ONE_RANK)
+    checked_plan(flex, Runtime(0, 1, 0, 1, torch.device("cuda")))
+    documents = ["data.document_masking=true", "data.reset_position_ids=true"]
+    for pp in (2, 3):
+        config = load_config(None, [*BASE, f"parallel.pp={pp}", "model.n_layers=3", *documents])
+        checked_plan(config, Runtime(0, pp, 0, pp, torch.device("cpu")))
 
 
 def test_missing_required_key_names_itself():
@@ -179,6 +197,8 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         ("train.steps=" + "1" + "0" * 30, "train.steps: must be from 1 to 2**31 - 1"),
         ("train.seed=-1", "train.seed: must be from 0 to 2**32 - 1, got -1"),
         ("train.time_limit=-1", "train.time_limit: must be at least 0"),
+        ("train.loss_chunk_tokens=-1", "train.loss_chunk_tokens: must be from 0 to 2**31 - 1"),
+        ("train.loss_chunk_tokens=" + str(2**31), "train.loss_chunk_tokens: must be from 0 to"),
         ("train.max_norm=-1", "train.max_norm: must be at least 0"),
         ("data.seq_length=1", "data.seq_length: must be from 2 to 2**31 - 2, got 1"),
         ("data.num_workers=100000", "data.num_workers: must be from 0 to 1024"),

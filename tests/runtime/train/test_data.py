@@ -293,3 +293,18 @@ def test_a_tokenized_file_is_split_by_the_shares_given(
         for i in range(len(dataset)):
             np.testing.assert_array_equal(dataset[i]["tokens"], reference[i]["tokens"])
         assert built.identity[name]["split_shares"] == shares
+
+
+@pytest.mark.parametrize("key", ["document_masking", "reset_position_ids", "eod_mask_loss"])
+def test_a_key_that_reads_documents_needs_an_eod_id_the_data_gives(runtime, tmp_path, key):
+    """Dummy samples know no end-of-document id: a key that reads documents is refused in one
+    line rather than silently reading none; given data.eod_token, the data is built."""
+    config = _config(f"data.{key}=true", "train.steps=1")
+    assert _refused(config, runtime, tmp_path) == (
+        f"data.{key} needs the end-of-document id, which this data does not give: set "
+        f"data.eod_token"
+    )
+    given = _build(
+        _config(f"data.{key}=true", "train.steps=1", "data.eod_token=3"), runtime, tmp_path
+    )
+    assert given.eod_token == 3

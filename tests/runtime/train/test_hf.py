@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hp_runtime.model import ModelConfig
+from hp_runtime.model.config import RopeScaling
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.train import FAST, hp_train, hp_train_here
@@ -33,28 +35,33 @@ SHAPE = {
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
-def _hf_llama(directory, tied: bool) -> np.ndarray:
-    """A random HF Llama saved to `directory`; its logits on TOKENS."""
+def _hf_llama(directory, tied: bool, qk_std: float = 0.05, **fields) -> np.ndarray:
+    """A random HF Llama saved to `directory` (LlamaConfig `fields` added); its logits on
+    TOKENS. A larger `qk_std` sharpens attention, so that positions show in the logits."""
     torch.manual_seed(11)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        **{"rope_theta": 10000.0, **copy.deepcopy(fields)},  # transformers edits the dicts
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
-    for param in model.parameters():  # norms start at 1: make them count too
-        torch.nn.init.normal_(param, std=0.2 if param.ndim == 1 else 0.05)
+    for name, param in model.named_parameters():  # norms start at 1: make them count too
+        std = qk_std if re.search(r"\.[qk]_proj\.", name) else 0.05
+        torch.nn.init.normal_(param, std=0.2 if param.ndim == 1 else std)
     model.save_pretrained(directory)
     with torch.no_grad():
         return model(TOKENS).logits.numpy()
 
 
-def _hp_logits(rank: int, world: int, directory: str, tied: bool) -> np.ndarray:
+def _hp_logits(
+    rank: int, world: int, directory: str, tied: bool, fields: dict | None = None
+) -> np.ndarray:
     from hp_runtime.model import ModelConfig
     from hp_runtime.parallel import ParallelDims, assemble
     from hp_runtime.train.hf import init_from_hf
 
-    config = ModelConfig(**SHAPE, tie_embeddings=tied)
+    config = ModelConfig(**SHAPE, tie_embeddings=tied, **(fields or {}))
     assembly = assemble(config, ParallelDims(tp=world), torch.device("cpu"), seed=0)
     init_from_hf(assembly.modules, config, directory)
     with torch.no_grad():
@@ -69,6 +76,120 @@ def test_init_from_an_hf_llama_gives_its_logits(tmp_path, tied):
     np.testing.assert_allclose(single, reference, atol=1e-4, rtol=0)
     for logits in run_ranks(_hp_logits, 2, str(tmp_path), tied):  # tensor parallel
         np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
+
+
+# Llama 3.1's scaling on a tiny model: at theta 500 head_dim 16's wavelengths run from 6 to
+# 1,330, against 32 / 4 and 32 / 1, so some frequencies are kept, some interpolated and some
+# slowed 8 times, all within TOKENS' 24 positions.
+HF_SCALED = {
+    "rope_theta": 500.0,
+    "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+}  # fmt: skip
+HP_SCALED = {"rope_theta": 500.0, "rope_scaling": RopeScaling("llama3", 8.0, 1.0, 4.0, 32)}
+
+
+@pytest.mark.slow
+def test_init_from_a_scaled_hf_llama_gives_its_logits(tmp_path):
+    reference = _hf_llama(tmp_path / "scaled", tied=False, qk_std=0.3, **HF_SCALED)
+    plain = _hf_llama(tmp_path / "plain", tied=False, qk_std=0.3, rope_theta=500.0)
+    assert np.abs(reference - plain).max() > 0.01  # same weights: the scaling shows, 100x 1e-4
+    for world in (1, 2):  # one process, tensor parallel
+        for logits in run_ranks(_hp_logits, world, str(tmp_path / "scaled"), False, HP_SCALED):
+            np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
+
+
+def test_an_export_with_rope_scaling_gives_transformers_the_same_logits(tmp_path):
+    """hp's model, written by export's writer, read by transformers (5 reads rope_parameters;
+    rope_scaling is what 4 reads), and back by init_from as the same config."""
+    from hp_runtime.model import Transformer
+    from hp_runtime.train.hf import model_config_from_hf, write_hf
+
+    config = ModelConfig(**SHAPE, **HP_SCALED)
+    torch.manual_seed(4)
+    model = Transformer(config)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.2 if param.ndim == 1 else 0.05)
+    out = tmp_path / "hf"
+    write_hf({n: p.detach() for n, p in model.named_parameters()}, config, str(out), "float32")
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == HF_SCALED["rope_scaling"]
+    assert written["rope_parameters"] == {**HF_SCALED["rope_scaling"], "rope_theta": 500.0}
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        expected = model(TOKENS).numpy()
+        np.testing.assert_allclose(hf(TOKENS).logits.numpy(), expected, atol=1e-4, rtol=0)
+    assert ModelConfig(**model_config_from_hf(str(out))) == config
+
+
+def test_init_from_checks_rope_scaling_as_it_checks_rope_theta(tmp_path):
+    from hp_runtime.train.hf import check_hf_config
+    from hp_runtime.train.launch import TrainError
+
+    hf = {
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, **HF_SCALED,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    scaled = ModelConfig(**SHAPE, **HP_SCALED)
+    check_hf_config(scaled, str(tmp_path))
+    table = (
+        '{type = "llama3", factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, '
+        "original_max_seq_len = 32}"
+    )
+    slower = RopeScaling("llama3", 4.0, 1.0, 4.0, 32)
+    cases = {
+        ModelConfig(**SHAPE, rope_theta=500.0): '"none"',
+        ModelConfig(**SHAPE, rope_theta=500.0, rope_scaling=slower): table.replace("8.0", "4.0"),
+    }
+    for config, have in cases.items():
+        with pytest.raises(TrainError) as error:
+            check_hf_config(config, str(tmp_path))
+        assert str(error.value) == (
+            f"model.init_from: {tmp_path} has rope_scaling={table}, the config "
+            f"model.rope_scaling={have}; set model.rope_scaling = {table}"
+        )
+    hf.pop("rope_scaling")  # a checkpoint without scaling into a config with it
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(
+        TrainError, match='has rope_scaling="none", the config model.rope_scaling={type'
+    ):
+        check_hf_config(scaled, str(tmp_path))
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_a_transformers_checkpoint_with_biases_is_refused_by_name(tmp_path, bias):
+    """Saved by transformers itself; the config.json names the bias, and without it (edited
+    by hand, or another converter's) the bias tensors are named: no bias is ever dropped."""
+    from hp_runtime.model import Transformer
+    from hp_runtime.train.hf import init_from_hf
+    from hp_runtime.train.launch import TrainError
+
+    _hf_llama(tmp_path, tied=False, **{bias: True})
+    config = ModelConfig(**SHAPE)
+    model = Transformer(config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(TrainError) as error:
+        init_from_hf([model], config, str(tmp_path))
+    assert str(error.value) == (
+        f"{tmp_path / 'config.json'}: {bias}=true is not supported; hp's Llama has "
+        f"{bias}=false only"
+    )
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf[bias]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(TrainError) as error:
+        init_from_hf([model], config, str(tmp_path))
+    first = "self_attn.k_proj" if bias == "attention_bias" else "mlp.down_proj"
+    assert str(error.value).startswith(
+        f"model.init_from: {tmp_path} has tensors hp's Llama has no place for: "
+        f"model.layers.0.{first}.bias, "
+    )
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # untouched
 
 
 def _checkpoint_logits(directory: str) -> np.ndarray:
@@ -305,6 +426,7 @@ def test_a_run_starts_from_an_hf_directory(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"initialised from {tmp_path / 'hf'}" in done.stdout
+    assert f"hp-train: {ModelConfig(**SHAPE).num_params():,} parameters | " in done.stdout
     wrong = hp_train_here(
         *FAST, *shape, "model.dim=32", "model.ffn_hidden=86", "data.type=dummy",
         "data.seq_length=24", "train.steps=2", f"model.init_from={tmp_path / 'hf'}",
@@ -322,7 +444,10 @@ def hf_reference(tmp_path_factory) -> Path:
     return directory
 
 
-WANT = {**SHAPE, "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
+WANT = {
+    **SHAPE, "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5,
+    "tie_embeddings": False,
+}  # fmt: skip
 # Published configs (meta-llama/Llama-2-7b-hf, meta-llama/Meta-Llama-3-8B), as on the Hub.
 LLAMA_2 = {
     "_name_or_path": "meta-llama/Llama-2-7b-hf", "architectures": ["LlamaForCausalLM"],
@@ -369,8 +494,8 @@ def test_init_from_reads_what_transformers_writes(hf_reference, tmp_path):
     assert _read_config(tmp_path, shape) == {
         "vocab_size": 256, "dim": 64, "ffn_hidden": 172, "n_layers": 2, "n_heads": 4,
         "n_kv_heads": ref.num_key_value_heads, "max_seq_len": ref.max_position_embeddings,
-        "rope_theta": theta or ref.rope_theta, "norm_eps": ref.rms_norm_eps,
-        "tie_embeddings": ref.tie_word_embeddings,
+        "rope_theta": theta or ref.rope_theta, "rope_scaling": None,
+        "norm_eps": ref.rms_norm_eps, "tie_embeddings": ref.tie_word_embeddings,
     }  # fmt: skip
     assert _read_config(tmp_path, LLAMA_2)["n_kv_heads"] == 32
     assert _read_config(tmp_path, LLAMA_3)["rope_theta"] == 500000.0
@@ -398,10 +523,38 @@ LLAMA_31_ROPE = {
          'model_type="llama" only'),
         ({"architectures": ["LlamaForSequenceClassification"]},
          'architectures=["LlamaForSequenceClassification"]; hp loads LlamaForCausalLM'),
-        ({"rope_scaling": LLAMA_31_ROPE},
-         f"rope_scaling {json.dumps(LLAMA_31_ROPE)} is not supported (plain rotary only)"),
+        ({"rope_scaling": LLAMA_31_ROPE}, "rope_parameters and rope_scaling disagree; give one "
+         "scaling"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "factor": 0.5}},
+         "rope_parameters.factor=0.5 must be at least 1"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "factor": "8"}},
+         'rope_parameters.factor="8" must be a number'),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "low_freq_factor": True}},
+         "rope_parameters.low_freq_factor=true must be a number"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "low_freq_factor": 0}},
+         "rope_parameters.low_freq_factor=0.0 must be more than 0"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "high_freq_factor": 1.0}},
+         "rope_parameters.high_freq_factor=1.0 must be more than low_freq_factor=1.0"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "original_max_position_embeddings": 8192.0}},
+         "rope_parameters.original_max_position_embeddings=8192.0 must be an integer"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "original_max_position_embeddings": 0}},
+         "rope_parameters.original_max_position_embeddings=0 must be at least 1"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+         'rope_parameters.low_freq_factor is missing; rope_type "llama3" gives factor, '
+         "low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "attention_factor": 1.0}},
+         'rope_parameters.attention_factor=1.0 is not supported (rope_type "llama3" takes '
+         "rope_type, rope_theta, factor, low_freq_factor, high_freq_factor, "
+         "original_max_position_embeddings)"),
+        ({"rope_parameters": {**LLAMA_31_ROPE, "type": "linear"}},
+         "rope_parameters.type and rope_parameters.rope_type disagree"),
+        ({"rope_scaling": {**LLAMA_31_ROPE, "rope_type": "yarn"}},
+         'rope_scaling.rope_type="yarn" is not supported; hp implements "default" and "llama3"'),
+        ({"rope_scaling": [LLAMA_31_ROPE]}, f"rope_scaling=[{json.dumps(LLAMA_31_ROPE)}] must "
+         "be an object with a rope_type"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
-         "rope_parameters.factor=2.0 is not supported (plain rotary only)"),
+         'rope_parameters.factor=2.0 is not supported (rope_type "default" takes rope_type, '
+         "rope_theta)"),
         ({"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
          "rope_theta=500000.0, rope_parameters.rope_theta=10000.0 disagree; give one rotary "
          "theta"),

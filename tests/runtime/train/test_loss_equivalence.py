@@ -73,3 +73,23 @@ def test_accumulation_and_layouts_give_the_same_losses(overrides, tmp_path):
         for rank in results:
             np.testing.assert_allclose(rank["losses"], reference, rtol=1e-5, atol=0)
             np.testing.assert_allclose(rank["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reset", ["true", "false"])
+def test_document_masking_through_a_pipeline_gives_the_same_losses(overrides, reset):
+    """PP 3 (the middle stage reads no data: the position ids and documents reach it with the
+    activations) equals one process with packed documents masked, the positions restarting at
+    each document or not; without the masking the run differs."""
+    documents = [
+        *overrides,
+        "data.seq_length=64",
+        f"data.reset_position_ids={reset}",
+        "data.document_masking=true",
+    ]
+    one = train_ranks(1, documents)[0]
+    unmasked = train_ranks(1, [*documents, "data.document_masking=false"])[0]
+    assert np.abs(np.array(one["losses"]) / unmasked["losses"] - 1).max() > 1e-4
+    for rank in train_ranks(3, [*documents, "parallel.pp=3"]):
+        np.testing.assert_allclose(rank["losses"], one["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(rank["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0)

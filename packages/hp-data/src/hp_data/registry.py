@@ -242,6 +242,17 @@ def dataset_identity(dataset: Any, config: DatasetConfig, split_name: str) -> di
     return out
 
 
+def document_end(dataset: Any, config: DatasetConfig) -> int | None:
+    """The token id that ends a document in `dataset`'s samples (built from `config`): the
+    EOD id its GPTDatasets read (the tokenizer's, for the types hp-data tokenizes), else
+    `config.eod_token`; None where none is known."""
+    parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
+    for part in parts:
+        if isinstance(part, GPTDataset) and part.config.eod_token is not None:
+            return part.config.eod_token
+    return config.eod_token
+
+
 def same_samples(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether two runs' identities (split -> `dataset_identity`) describe the same samples:
     the index keys may differ, as they also cover the sample count, which a longer run

@@ -3,6 +3,7 @@ plans live in `hp_runtime.parallel` and act on the module names used here."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from hp_runtime.model.attention import Layout, attend, document_ids
 from hp_runtime.model.config import ModelConfig
+from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +26,33 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def inverse_frequencies(
+    config: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The (head_dim/2,) rotary frequencies, under the config's scaling (Meta's
+    `apply_scaling` of Llama 3.1, elementwise): long wavelengths slowed `factor` times,
+    short ones kept, the band between interpolated."""
+    half = config.head_dim // 2
+    exponents = torch.arange(0, half, device=device, dtype=dtype) / half
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    old = scaling.original_max_seq_len
+    smooth = (old / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    slowed = torch.where(
+        wavelength > old / scaling.low_freq_factor, inv_freq / scaling.factor, between
+    )
+    return torch.where(wavelength < old / scaling.high_freq_factor, inv_freq, slowed)
+
+
 def rotary_tables(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
     """cos and sin for every position up to max_seq_len, stacked: (2, max_seq_len, head_dim/2)."""
-    half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, device=device).float() / half))
+    inv_freq = inverse_frequencies(config, device)
     angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
     return torch.stack((angles.cos(), angles.sin()))
 
@@ -53,7 +78,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
-        # (q, k, v, layout) -> output; context parallelism wraps it to gather k and v first.
+        # (q, k, v, layout) -> output, k and v with n_kv_heads heads; context parallelism
+        # wraps it to gather k and v first.
         self.kernel = attend
 
     def forward(self, x: torch.Tensor, tables: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -66,8 +92,7 @@ class Attention(nn.Module):
             rows = layout.rows if layout.rows is not None else torch.arange(seq, device=x.device)
             positions = rows.unsqueeze(0)
         q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
-        repeat = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        # k and v keep their own (fewer) heads: the kernel shares them among q's.
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -135,12 +160,19 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_masking: bool = False,
         rows: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = CHUNK_TOKENS,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of `tokens` (b, r). `position_ids` (b, s) restart at 0 at each document (None:
         0..s-1); with `document_masking` attention stays inside the documents they delimit.
         `rows` (r,) are the rows of the whole sequence that `tokens` are, when they are not all
-        of it (context parallelism); `position_ids` then cover the whole sequence."""
-        if document_masking and position_ids is None:
+        of it (context parallelism); `position_ids` then cover the whole sequence. With `labels`
+        (b, r) the head returns each token's cross-entropy (b, r) instead, its logits computed
+        `loss_chunk_tokens` at a time (`loss.token_losses`), never all at once. `documents`
+        (b, s) number each token's document directly (`attention.documents_after_eod`), for
+        masking without resetting the positions; `document_masking` is then not needed."""
+        if document_masking and documents is None and position_ids is None:
             raise ValueError("document_masking needs position_ids (restarting at 0 per document)")
         positions = position_ids
         if position_ids is not None and rows is not None:
@@ -148,14 +180,20 @@ class Transformer(nn.Module):
         layout = Layout(
             mode=self.config.attention,
             positions=positions,
-            documents=document_ids(position_ids) if document_masking else None,
+            documents=document_ids(position_ids)
+            if document_masking and documents is None
+            else documents,
             rows=rows,
         )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rotary, layout)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if labels is not None:  # inside the forward, where FSDP has gathered the head
+            return token_losses(self.output, h, labels, loss_chunk_tokens)
+        return self.output(h)
 
 
 def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:

@@ -87,26 +87,23 @@ class ContextParallel:
 
 class GatheredKV:
     """`Attention.kernel` under context parallelism: the wrapped kernel on the local queries
-    and the keys and values of the whole sequence. Grouped-query heads are gathered once
-    each (the kernel's k and v repeat them for the query heads) and repeated after."""
+    and the keys and values of the whole sequence (k and v come with their own heads, so a
+    grouped-query head is gathered once)."""
 
-    def __init__(self, kernel: Kernel, plan: ContextParallel, kv_heads: int) -> None:
-        self.kernel, self.plan, self.kv_heads = kernel, plan, kv_heads
+    def __init__(self, kernel: Kernel, plan: ContextParallel) -> None:
+        self.kernel, self.plan = kernel, plan
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout
     ) -> torch.Tensor:
         if layout.rows is None:
             raise ValueError("context parallelism: call the model with the rows it holds (rows=)")
-        repeat = k.shape[1] // self.kv_heads
-        kv = torch.stack((k[:, ::repeat], v[:, ::repeat]))  # (2, b, kv heads, rows, head dim)
-        whole = self.plan.gather(kv, dim=3).repeat_interleave(repeat, dim=2)
+        whole = self.plan.gather(torch.stack((k, v)), dim=3)  # (2, b, kv heads, s, head dim)
         return self.kernel(q, whole[0], whole[1], layout)
 
 
-def apply_cp(model: nn.Module, plan: ContextParallel, kv_heads: int) -> None:
+def apply_cp(model: nn.Module, plan: ContextParallel) -> None:
     """Wrap the attention kernel of every block of `model` (a Transformer or a pipeline stage
-    of one, after TP and before activation checkpointing); `kv_heads` is this rank's count of
-    key/value heads (n_kv_heads / tp)."""
+    of one, after TP and before activation checkpointing)."""
     for block in model.layers.values():
-        block.attention.kernel = GatheredKV(block.attention.kernel, plan, kv_heads)
+        block.attention.kernel = GatheredKV(block.attention.kernel, plan)

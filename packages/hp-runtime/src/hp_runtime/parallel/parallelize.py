@@ -34,7 +34,7 @@ def parallelize(
         reduce_dtype = getattr(torch, options.tp_reduce_dtype) if options.tp_reduce_dtype else None
         apply_tp(model, mesh["tp"], options.loss_parallel, reduce_dtype)
     if dims.cp > 1:
-        apply_cp(model, ContextParallel(mesh["cp"]), model.config.n_kv_heads // dims.tp)
+        apply_cp(model, ContextParallel(mesh["cp"]))
     if options.activation_checkpointing != "none":
         apply_ac(model, options.activation_checkpointing, options.ac_every)
     if options.compile:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
         PipelineScheduleMulti,
         PipelineScheduleSingle,
     )
+
+    from hp_runtime.parallel.cp import ContextParallel
 
 # Class names in torch.distributed.pipelining.schedules, imported when a schedule is built:
 # that module pulls in torch._dynamo, a second of start-up a run without a pipeline can skip.
@@ -74,6 +76,46 @@ def stage_modules(
     return owned
 
 
+def carry_positions(
+    stages: list[tuple[int, nn.Module]],
+    total_stages: int,
+    names: tuple[str, ...],
+    cp: ContextParallel | None = None,
+) -> None:
+    """Make every stage take `(h, *carried)` and each but the last return them, where
+    `carried` are the batch's tensors named `names` (the forward's `position_ids` and/or
+    `documents`), so they travel with the activations (a middle stage reads no data) and every
+    stage rotates and masks by them. Call before the first step.
+
+    torch infers a stage's shapes by running it once on uninitialised tensors of the shapes
+    it receives: the ids a stage reads are clamped into the rotary table (a no-op on real
+    ids, which lie below max_seq_len), so that run cannot index out of it.
+
+    Under context parallelism (`cp`) the carried tensors cover the whole sequence while `h`
+    holds this rank's rows: each stage takes its rows from their length."""
+    for stage, module in stages:
+        forward, last = module.forward, stage == total_stages - 1
+        top = module.config.max_seq_len - 1
+
+        def carried(
+            h: torch.Tensor,
+            *tensors: torch.Tensor,
+            forward=forward,
+            last=last,
+            top=top,
+            **kwargs: Any,
+        ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            named: dict[str, Any] = dict(zip(names, tensors, strict=True))
+            if "position_ids" in named:
+                named["position_ids"] = named["position_ids"].clamp(0, top)
+            if cp is not None:
+                named["rows"] = cp.rows(tensors[0].shape[1], tensors[0].device)
+            out = forward(h, **named, **kwargs)
+            return out if last else (out, *tensors)
+
+        module.forward = carried
+
+
 def build_schedule(
     stages: list[tuple[int, nn.Module]],
     pp_mesh: DeviceMesh,
@@ -109,25 +151,31 @@ def pipeline_step(
     schedule: PipelineScheduleSingle | PipelineScheduleMulti,
     stage_ids: list[int],
     total_stages: int,
-    inputs: torch.Tensor | None,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
     targets: torch.Tensor | None,
     microbatches: int,
     backward: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> torch.Tensor | None:
     """Run forward and backward (or, with `backward=False`, forward only) of one batch; on the
     last stage, the sum of the micro-batch losses (each already its share of the step's loss),
-    else None. The first stage gives `inputs`, the last `targets`, the others neither."""
-    for batch in (inputs, targets):
+    else None. The first stage gives `inputs` (the tokens, or with `carry_positions` the
+    tokens and the position ids), the last `targets`, the others neither. `kwargs` go to the
+    forward of this rank's stages, tensors split into micro-batches."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    for batch in (*(inputs or ()), targets):
         if batch is not None and batch.shape[0] % microbatches:
             raise ValueError(
                 f"a batch of {batch.shape[0]} does not divide into {microbatches} micro-batches"
             )
     run = schedule.step if backward else schedule.eval
     losses: list[torch.Tensor] = []
+    kwargs = kwargs or {}
     if 0 in stage_ids:
-        run(inputs, target=targets, losses=losses)
+        run(*inputs, target=targets, losses=losses, **kwargs)  # type: ignore[misc]
     elif total_stages - 1 in stage_ids:
-        run(target=targets, losses=losses)
+        run(target=targets, losses=losses, **kwargs)
     else:
-        run()
+        run(**kwargs)
     return torch.stack(losses).sum() if losses else None

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
-from hp_runtime.train.config import CheckpointConfig, Config
+from hp_runtime.train.config import CheckpointConfig, Config, as_table, toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState
@@ -244,15 +244,22 @@ def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read: the resolved model
     config first (every field that shapes or means something), naming what differs."""
     keys = [item.name for item in fields(ModelConfig) if item.name not in INIT_ONLY]
+    keys.remove("rope_scaling")  # a table: compared below, as config.toml writes it
     change = first_change(meta, "model", config, keys)
     if change is not None:
-        key, have, saved = change
-        raise CheckpointError(
-            f"model.{key} = {have!r}, but {path} was trained with {saved!r}: a checkpoint "
-            f"resumes only the model that wrote it; set model.{key} = {saved!r} (or export it "
-            f"and start a new train.run_dir with model.init_from)",
-            fallback=False,
-        )
+        key, have, saved = change[0], repr(change[1]), repr(change[2])
+    else:  # absent is none: a comment where the preset has none, or an hp before the key
+        key, then = "rope_scaling", saved_model(meta).get("rope_scaling", "none")
+        now = "none" if config.rope_scaling is None else as_table(config.rope_scaling)
+        if then == now:
+            return
+        have, saved = toml_value(now), toml_value(then)
+    raise CheckpointError(
+        f"model.{key} = {have}, but {path} was trained with {saved}: a checkpoint "
+        f"resumes only the model that wrote it; set model.{key} = {saved} (or export it "
+        f"and start a new train.run_dir with model.init_from)",
+        fallback=False,
+    )
 
 
 # What the optimizer's state was built with; the schedule keys (lr, warmup, decay) may change.

@@ -26,7 +26,8 @@ from hp_data.gpt import MAX_SEQ_LENGTH
 from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
-from hp_runtime.model.config import PRESETS, ModelConfig
+from hp_runtime.model.config import PRESETS, FieldError, ModelConfig
+from hp_runtime.model.loss import CHUNK_TOKENS
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.train.errors import ConfigError
@@ -99,6 +100,7 @@ class TrainConfig:
     spike_window: int = 100
     spike_sigma: float = 6.0
     time_limit: float = 0.0  # wall-clock seconds; 0: none
+    loss_chunk_tokens: int = CHUNK_TOKENS  # the head's logits this many at a time; 0: all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +277,7 @@ RANGES: dict[str, Range] = {
     "train.spike_window": _ints(1),
     "train.spike_sigma": POSITIVE,
     "train.time_limit": NON_NEGATIVE,
+    "train.loss_chunk_tokens": _ints(0),
     "optim.lr": POSITIVE,
     "optim.min_lr": NON_NEGATIVE,
     "optim.warmup_steps": _ints(0),
@@ -323,7 +326,20 @@ def _unknown(section: str, key: str | None) -> ConfigError:
     return ConfigError(f"{where}: unknown {kind}" + (f"; did you mean {hint}?" if hint else ""))
 
 
+def _table_class(kind: Any) -> type | None:
+    """The dataclass a table key (`model.rope_scaling`) takes, if `kind` is one, alone or
+    with none."""
+    options = (
+        typing.get_args(kind)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType)
+        else (kind,)
+    )
+    return next((o for o in options if dataclasses.is_dataclass(o)), None)
+
+
 def _type_name(kind: Any) -> str:
+    if dataclasses.is_dataclass(kind):
+        return "a table {" + ", ".join(_key_types(kind)) + "}"
     origin = typing.get_origin(kind)
     if origin is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
@@ -442,24 +458,52 @@ def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[s
     return merged
 
 
+def _value(key: str, kind: Any, value: Any) -> Any:
+    """One key's value (from TOML) as `kind`, in its range and form."""
+    table = _table_class(kind)
+    if table is not None and isinstance(value, dict):
+        return _table(key, table, value)
+    if table is not None and value == "none":  # TOML has no null: a preset's table unset
+        value = None
+    try:
+        typed = _coerce(value, kind)
+    except TypeError:
+        raise ConfigError(f"{key}: expected {_type_name(kind)}, got {_shown(value)}") from None
+    allowed = RANGES.get(key)
+    if allowed is not None and typed is not None and typed not in allowed:
+        raise ConfigError(f"{key}: must be {allowed}, got {typed}")
+    form = FORMS.get(key)
+    if form is not None and typed is not None:
+        form(typed)
+    return typed
+
+
+def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
+    """A table key (`model.rope_scaling = {type = "llama3", ...}`) as the frozen dataclass
+    `cls`: only its fields, every one without a default given, each typed as `_value` types
+    a key; then the class's own check, whose `FieldError` names the field."""
+    kinds = _key_types(cls)
+    for name in values:
+        if name not in kinds:
+            close = difflib.get_close_matches(name, kinds, n=1)
+            hint = f"did you mean {key}.{close[0]}?" if close else f"its fields: {', '.join(kinds)}"
+            raise ConfigError(f"{_name(f'{key}.{name}')}: unknown field; {hint}")
+    for f in key_fields(cls):
+        if key_of(f) not in values and f.default is dataclasses.MISSING:
+            raise ConfigError(f"{key}.{key_of(f)}: required; {key} gives all of {', '.join(kinds)}")
+    typed = {name: _value(f"{key}.{name}", kinds[name], value) for name, value in values.items()}
+    try:
+        return cls(**{f.name: typed[key_of(f)] for f in key_fields(cls) if key_of(f) in typed})
+    except FieldError as exc:
+        raise ConfigError(f"{key}.{exc.field}: {exc.problem}, got {exc.value!r}") from None
+
+
 def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
         if key not in KEYS[section]:
             raise _unknown(section, key)
-        kind = KEYS[section][key]
-        try:
-            out[key] = _coerce(value, kind)
-        except TypeError:
-            raise ConfigError(
-                f"{section}.{key}: expected {_type_name(kind)}, got {_shown(value)}"
-            ) from None
-        allowed = RANGES.get(f"{section}.{key}")
-        if allowed is not None and out[key] is not None and out[key] not in allowed:
-            raise ConfigError(f"{section}.{key}: must be {allowed}, got {out[key]}")
-        form = FORMS.get(f"{section}.{key}")
-        if form is not None and out[key] is not None:
-            form(out[key])
+        out[key] = _value(f"{section}.{key}", KEYS[section][key], value)
     return out
 
 
@@ -692,15 +736,10 @@ def check(config: Config) -> None:
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
             f"is more than hp-train's {MAX_PARAMS:.3g}"
         )
-    if cp > 1 and config.parallel.pp > 1:
+    if model.attention == "segments" and data.document_masking and config.parallel.compile:
         raise ConfigError(
-            "parallel.cp > 1 needs parallel.pp = 1: a pipeline passes only hidden states "
-            "between stages, not the rows each context-parallel rank holds"
-        )
-    if config.parallel.pp > 1 and (data.reset_position_ids or data.document_masking):
-        raise ConfigError(
-            "data.reset_position_ids and data.document_masking need parallel.pp = 1: a pipeline "
-            "passes only hidden states between stages, not position ids"
+            "model.attention = 'segments' reads document boundaries on the host, which a "
+            "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
 
 
@@ -720,7 +759,19 @@ def _check_split(split: str) -> None:
 FORMS: dict[str, Callable[[Any], None]] = {"data.split": _check_split}
 
 
-def _toml_value(value: Any) -> str:
+def as_table(value: Any) -> dict[str, Any]:
+    """A table key's value (a dataclass) as config.toml holds it: its fields by key."""
+    return {key_of(f): getattr(value, f.name) for f in key_fields(value)}
+
+
+def toml_value(value: Any) -> str:
+    """`value` as config.toml writes it; a table key's as an inline table, none as "none"."""
+    if value is None:
+        return '"none"'
+    if dataclasses.is_dataclass(value):
+        value = as_table(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -730,11 +781,13 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(config: Config) -> str:
     """The resolved config as TOML that `load_config` reads back to the same `Config` (keys
-    whose value is none are written as comments). It is stored (`config.toml`, checkpoints'
-    `meta.json`) and printed, so a value holding a credential is written redacted, and says so."""
+    whose value is none are written as comments, or as "none" where the preset has a value).
+    It is stored (`config.toml`, checkpoints' `meta.json`) and printed, so a value holding a
+    credential is written redacted, and says so."""
     lines = ["[model]", f'preset = "{config.model_preset}"']
     if config.model_init_from is not None:
-        lines.append(f"init_from = {_toml_value(config.model_init_from)}")
+        lines.append(f"init_from = {toml_value(config.model_init_from)}")
+    preset = PRESETS[config.model_preset]
     sections: list[tuple[str, Any]] = [("model", config.model)]
     sections += [(name, getattr(config, name)) for name in SECTIONS]
     for name, section in sections:
@@ -742,10 +795,11 @@ def to_toml(config: Config) -> str:
             lines += ["", f"[{name}]"]
         for item in key_fields(section):
             value = getattr(section, item.name)
-            if value is None:
+            preset_has = section is config.model and getattr(preset, item.name) is not None
+            if value is None and not preset_has:
                 lines.append(f"# {key_of(item)} = (none)")
             else:
-                text = _toml_value(value)
+                text = toml_value(value)
                 if redact(text) != text:
                     lines.append(f"# {key_of(item)}: redacted, it held a credential")
                 lines.append(f"{key_of(item)} = {redact(text)}")

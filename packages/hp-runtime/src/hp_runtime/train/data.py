@@ -27,6 +27,7 @@ from hp_data.registry import (
     build_dataset,
     dataset_identity,
     dataset_type,
+    document_end,
     has_split,
 )
 from hp_data.sampler import PretrainingSampler
@@ -206,6 +207,7 @@ class Datasets:
     valid: Any | None
     identity: dict[str, Any]  # each split's `dataset_identity`, stored in checkpoints
     build_seconds: float
+    eod_token: int | None = None  # resolved (data.eod_token or the corpus's), where read
 
 
 def build_datasets(
@@ -222,6 +224,12 @@ def build_datasets(
         configs.update(check_data(config, configs))
         for split, part in configs.items():
             built[split] = build_dataset(part, split, counts[split])
+        needs = _needs_eod(config)
+        if needs and document_end(built["train"], configs["train"]) is None:
+            raise TrainError(
+                f"{needs} needs the end-of-document id, which this data does not give: set "
+                f"data.eod_token"
+            )
 
     for turn in (True, False):  # local rank 0's turn, then everyone else's
         failure = None
@@ -237,7 +245,8 @@ def build_datasets(
         agree(failure, runtime)
     seconds = time.perf_counter() - start
     keys = {split: dataset_identity(built[split], configs[split], split) for split in built}
-    return Datasets(built.get("train"), built.get("valid"), keys, seconds)
+    eod = document_end(built["train"], configs["train"]) if "train" in built else None
+    return Datasets(built.get("train"), built.get("valid"), keys, seconds, eod)
 
 
 class _Prefetch:

@@ -21,8 +21,10 @@ from hp_data.errors import first_line
 from torch import nn
 
 from hp_runtime.model import ModelConfig
+from hp_runtime.model.config import FieldError, RopeScaling
 from hp_runtime.parallel.init import copy_full_
 from hp_runtime.parallel.parallelize import canonical_name
+from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.exportdir import ExportTarget
 
@@ -55,6 +57,32 @@ def hf_name(name: str) -> str:
     return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
 
 
+# An HF rope dict's llama3 fields, and the RopeScaling field each sets.
+_HF_SCALING = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_seq_len",
+}
+
+
+def _hf_rope(config: ModelConfig) -> dict[str, Any]:
+    """The rotary fields of config.json: rope_theta and rope_scaling, which transformers 4
+    reads, and rope_parameters, which 5 reads (both as Meta's Llama 3.1 configs spell them)."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {
+            "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        }
+    rope = {"rope_type": "llama3", **{hf: getattr(scaling, hp) for hf, hp in _HF_SCALING.items()}}
+    return {
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope,
+        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
+    }
+
+
 def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -67,8 +95,7 @@ def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": config.n_kv_heads,
         "head_dim": config.head_dim,
         "max_position_embeddings": config.max_seq_len,
-        "rope_theta": config.rope_theta,  # transformers 4; 5 reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        **_hf_rope(config),
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu",
@@ -151,33 +178,65 @@ def _positive(path: str, key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def _rope_theta(path: str, hf: dict[str, Any]) -> float:
-    """Plain rotary only: rope_parameters / rope_scaling may say "default" and a theta, which
-    must agree with rope_theta where several give it."""
+def _scaling(path: str, key: str, rope: dict[str, Any]) -> RopeScaling:
+    """A `rope_type: "llama3"` dict as RopeScaling, every field given and checked."""
+    values = {}
+    for name, field in _HF_SCALING.items():
+        if name not in rope:
+            raise TrainError(
+                f'{path}: {key}.{name} is missing; rope_type "llama3" gives '
+                f"{', '.join(_HF_SCALING)}"
+            )
+        value = rope[name]  # JSON's 8 is the float 8.0 transformers reads
+        numeric = type(value) is int and field != "original_max_seq_len"
+        values[field] = float(value) if numeric else value
+    try:
+        return RopeScaling(type="llama3", **values)
+    except FieldError as exc:
+        name = {hp: hf for hf, hp in _HF_SCALING.items()}[exc.field]
+        raise TrainError(f"{path}: {key}.{name}={_json(exc.value)} {exc.problem}") from None
+
+
+def _rope(path: str, hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """The rotary theta and scaling: rope_parameters (transformers 5) and rope_scaling (4) may
+    each say "default" (plain rotary) or "llama3" (Llama 3.1's scaling), with a theta; where
+    several give the theta or the scaling, they must agree."""
     thetas = {}
     if "rope_theta" in hf:
         thetas["rope_theta"] = hf["rope_theta"]
+    scalings: dict[str, RopeScaling | None] = {}
     for key in ("rope_parameters", "rope_scaling"):
         rope = hf.get(key)
         if rope is None:
             continue
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else 0
-        if not isinstance(rope, dict) or kind != "default":
-            raise TrainError(f"{path}: {key} {_json(rope)} is not supported (plain rotary only)")
+        if not isinstance(rope, dict):
+            raise TrainError(f"{path}: {key}={_json(rope)} must be an object with a rope_type")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if "type" in rope and rope["type"] != kind:  # transformers' older name of rope_type
+            raise TrainError(f"{path}: {key}.type and {key}.rope_type disagree")
+        if kind not in ("default", "llama3"):
+            raise TrainError(
+                f'{path}: {key}.rope_type={_json(kind)} is not supported; hp implements "default" '
+                'and "llama3"'
+            )
+        takes = ["rope_type", "rope_theta", *(_HF_SCALING if kind == "llama3" else ())]
         for field in rope:
-            if field not in ("rope_type", "type", "rope_theta"):
+            if field not in (*takes, "type"):
                 raise TrainError(
-                    f"{path}: {key}.{field}={_json(rope[field])} is not supported "
-                    "(plain rotary only)"
+                    f"{path}: {key}.{field}={_json(rope[field])} is not supported (rope_type "
+                    f"{_json(kind)} takes {', '.join(takes)})"
                 )
         if "rope_theta" in rope:
             thetas[f"{key}.rope_theta"] = rope["rope_theta"]
+        scalings[key] = _scaling(path, key, rope) if kind == "llama3" else None
     for key, value in thetas.items():
         _positive(path, key, value, float)
     if len(set(thetas.values())) > 1:
         given = ", ".join(f"{k}={_json(v)}" for k, v in thetas.items())
         raise TrainError(f"{path}: {given} disagree; give one rotary theta")
-    return float(next(iter(thetas.values()), 10000.0))
+    if len(set(scalings.values())) > 1:
+        raise TrainError(f"{path}: rope_parameters and rope_scaling disagree; give one scaling")
+    return float(next(iter(thetas.values()), 10000.0)), next(iter(scalings.values()), None)
 
 
 def model_config_from_hf(directory: str) -> dict[str, Any]:
@@ -221,7 +280,7 @@ def model_config_from_hf(directory: str) -> dict[str, Any]:
         else:
             _positive(path, key, value, float if field == "norm_eps" else int)
         fields[field] = value
-    fields["rope_theta"] = _rope_theta(path, hf)
+    fields["rope_theta"], fields["rope_scaling"] = _rope(path, hf)
     for whole, part in (
         ("hidden_size", "num_attention_heads"),
         ("num_attention_heads", "num_key_value_heads"),
@@ -367,14 +426,14 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
     embedding as lm_head.weight in a tied model, and the rotary `inv_freq` buffers older
     transformers saved, when they equal hp's own frequencies."""
     from hp_runtime.model import Transformer
+    from hp_runtime.model.llama import inverse_frequencies
 
     with torch.device("meta"):
         model = Transformer(config)
     taken = {hf_name(canonical_name(name)) for name, _ in model.named_parameters()}
     if config.tie_embeddings:
         taken.discard("lm_head.weight")
-    half = config.head_dim // 2
-    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, half).double() / half))
+    freqs = inverse_frequencies(config, dtype=torch.float64)
     unused = []
     for name in sorted(set(weights) - taken):
         tensor = weights[name]
@@ -403,10 +462,14 @@ def check_hf_config(config: ModelConfig, directory: str) -> None:
     before any model is built, and again when the weights are read)."""
     expected = model_config_from_hf(directory)
     for key, value in expected.items():
-        if getattr(config, key) != value:
+        have = getattr(config, key)
+        if have != value:
+            setting = repr(value)
+            if key == "rope_scaling":  # a table: as config.toml writes it
+                have, value, setting = toml_value(have), toml_value(value), toml_value(value)
             raise TrainError(
                 f"model.init_from: {directory} has {key}={value}, the config model.{key}="
-                f"{getattr(config, key)}; set model.{key} = {value!r}"
+                f"{have}; set model.{key} = {setting}"
             )
 
 

@@ -66,6 +66,11 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
         raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
     if p.pp == 1 and p.pp_virtual_stages > 1:
         raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    if config.model.attention == "flex" and runtime.device.type == "cpu":
+        raise ConfigError(
+            f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
+            f"FlexAttention's forward only there): use 'auto' or 'segments'"
+        )
     return batch_plan(config)
 
 
@@ -284,7 +289,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         autocast_dtype,
         config.parallel.loss_parallel,
         config.data.reset_position_ids,
-        config.data.document_masking,
+        datasets.eod_token if config.data.document_masking else None,
+        t.loss_chunk_tokens,
     )
     seq = config.data.seq_length
     throughput = Throughput(
@@ -314,7 +320,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             }
         )
     metrics.say(
-        f"hp-train: {config.model.num_params() / 1e6:.1f}M parameters | {runtime.world_size} "
+        f"hp-train: {config.model.num_params():,} parameters | {runtime.world_size} "
         f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
         f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
         f"accumulation | {t.steps} steps | data ready in {datasets.build_seconds:.2f} s"

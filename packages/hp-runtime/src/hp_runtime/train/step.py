@@ -8,6 +8,10 @@ gradients over the data-parallel and context-parallel ranks (a context-parallel 
 rows of each sample and counts their tokens); the result is the same loss and gradients
 whatever the layout and accumulation. The count and the reported loss travel in collectives on
 the device: no host sync.
+
+The model computes each token's cross-entropy itself, given the labels (`model/loss.py`): the
+head runs a chunk of the sequence at a time, inside the forward, so the fp32 logits of a whole
+micro-batch never exist. `TokenLoss` only sums and scales.
 """
 
 from __future__ import annotations
@@ -17,30 +21,28 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hp_runtime.model.attention import documents_after_eod
+from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
-from hp_runtime.parallel.pp import pipeline_step
-
-IGNORE = -100  # label of a token whose loss_mask is 0
+from hp_runtime.parallel.pp import carry_positions, pipeline_step
 
 Batch = dict[str, torch.Tensor]
 
 
 class TokenLoss:
     """Cross-entropy summed over a micro-batch's loss tokens, times `scale` (the weight of one
-    token in the step's loss, set before each step). It is the pipeline's `loss_fn` too, so it
-    exists before the model is assembled."""
+    token in the step's loss, set before each step), from the per-token losses the model
+    returns given the labels (0 at IGNORE). It is the pipeline's `loss_fn` too, so it exists
+    before the model is assembled; the pipeline passes the labels again, unused here."""
 
     def __init__(self, device: torch.device) -> None:
         self.scale = torch.ones((), device=device)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(
-            logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE
-        )
+    def __call__(self, losses: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        total = losses.sum()
         if isinstance(total, DTensor):  # vocabulary-parallel loss
             total = total.full_tensor()
         return total * self.scale
@@ -57,7 +59,8 @@ class Stepper:
         autocast_dtype: torch.dtype | None,
         loss_parallel: bool,
         reset_position_ids: bool,
-        document_masking: bool,
+        document_end: int | None,
+        loss_chunk_tokens: int,
     ) -> None:
         self.assembly = assembly
         self.loss_fn = loss_fn
@@ -65,10 +68,21 @@ class Stepper:
         self.pp_microbatches = pp_microbatches
         self.autocast_dtype = autocast_dtype
         self.loss_parallel = loss_parallel
-        # The model reads the batch's position ids only where they are not 0..s-1 or where
-        # the documents they delimit mask the attention.
-        self.passes_positions = reset_position_ids or document_masking
-        self.document_masking = document_masking
+        # What the model reads of a batch besides its tokens: the position ids where they are
+        # not 0..s-1, and with `document_end` (the EOD id: document masking) the documents
+        # that end at each EOD token, whether or not the positions restart there (Megatron's
+        # reset_attention_mask and reset_position_ids are independent too).
+        self.document_end = document_end
+        self.reads = ("position_ids",) * reset_position_ids + ("documents",) * (
+            document_end is not None
+        )
+        self.loss_chunk_tokens = loss_chunk_tokens  # the head's tokens at a time (model/loss.py)
+        # What travels with the activations through a pipeline: what the model reads, and
+        # under context parallelism at least the position ids (whole, while the activations
+        # hold a rank's rows: each stage takes its rows from their length).
+        self.carried = self.reads or ("position_ids",) * (assembly.cp is not None)
+        if assembly.schedule is not None and self.carried:
+            carry_positions(assembly.stages, assembly.total_stages, self.carried, assembly.cp)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
 
@@ -102,13 +116,24 @@ class Stepper:
             work.wait()
         self.loss_fn.scale = self.assembly.dp_cp_size / count.clamp(min=1.0)
 
-    def _logits(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _documents(self, micro: list[Batch]) -> list[Batch]:
+        """Each micro-batch with the number of each token's document, under document
+        masking (on the device: no sync)."""
+        if self.document_end is None:
+            return micro
+        end = self.document_end
+        return [{**mb, "documents": documents_after_eod(mb["tokens"], end)} for mb in micro]
+
+    def _token_losses(self, mb: Batch) -> torch.Tensor:
+        """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0."""
         labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
-        positions = mb["position_ids"] if self.passes_positions else None
-        logits = self.assembly.model(
-            mb["tokens"], positions, document_masking=self.document_masking, rows=mb.get("rows")
+        return self.assembly.model(
+            mb["tokens"],
+            labels=labels,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            rows=mb.get("rows"),
+            **{name: mb[name] for name in self.reads},
         )
-        return logits, labels
 
     def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
         """`count` micro-batches through the schedule, `pp_microbatches` per schedule step.
@@ -117,14 +142,30 @@ class Stepper:
         total = torch.zeros((), device=self.device)
         for start in range(0, count, n):
             group = micro[start : start + n]
-            inputs = torch.cat([mb["tokens"] for mb in group]) if a.has_first_stage else None
+            inputs = None
+            if a.has_first_stage:
+                inputs = torch.cat([mb["tokens"] for mb in group])
+                if self.carried:  # they travel with the activations to every stage
+                    carried = [torch.cat([mb[name] for mb in group]) for name in self.carried]
+                    inputs = (inputs, *carried)
             targets = None
             if a.has_last_stage:
                 targets = torch.cat(
                     [mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE) for mb in group]
                 )
+            # The last stage's forward takes the labels too: it returns per-token losses.
+            forward = None
+            if targets is not None:
+                forward = {"labels": targets, "loss_chunk_tokens": self.loss_chunk_tokens}
             loss = pipeline_step(
-                a.schedule, a.stage_ids, a.total_stages, inputs, targets, n, backward=backward
+                a.schedule,
+                a.stage_ids,
+                a.total_stages,
+                inputs,
+                targets,
+                n,
+                backward=backward,
+                kwargs=forward,
             )
             if loss is not None:
                 total = total + loss.detach()
@@ -145,7 +186,7 @@ class Stepper:
         rank's `flag`] (a stop request travels with the loss: no collective of its own);
         gradients are left for `Assembly.finish_gradients`."""
         a = self.assembly
-        micro = self._shard(micro)
+        micro = self._shard(self._documents(micro))  # documents of the whole sequence
         tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
@@ -154,10 +195,10 @@ class Stepper:
             else:
                 local = torch.zeros((), device=self.device)
                 for i, mb in enumerate(micro):
-                    logits, labels = self._logits(mb)
+                    losses = self._token_losses(mb)
                     if i == 0:  # the count's all-reduce ran during the first forward
                         self._set_scale(tokens, work)
-                    loss = self.loss_fn(logits, labels)
+                    loss = self.loss_fn(losses)
                     loss.backward()
                     local = local + loss.detach()
         shared = torch.full((), flag, device=self.device)
@@ -168,14 +209,14 @@ class Stepper:
         """[cross-entropy sum, loss tokens] of this rank's `count` micro-batches, for
         `eval_loss` (zeros on ranks that do not report)."""
         a = self.assembly
-        micro = self._shard(micro)
+        micro = self._shard(self._documents(micro))  # documents of the whole sequence
         self.loss_fn.scale = torch.ones((), device=self.device)
         zero = torch.zeros((), device=self.device)
         with self._context():
             if a.schedule is not None:
                 summed = self._pipeline(micro, count, backward=False)
             else:
-                summed = sum((self.loss_fn(*self._logits(mb)) for mb in micro), zero)
+                summed = sum((self.loss_fn(self._token_losses(mb)) for mb in micro), zero)
         tokens = sum((mb["loss_mask"].sum().float() for mb in micro), zero)
         return torch.stack([summed.float(), tokens if a.has_last_stage else zero])
 
