@@ -15,7 +15,10 @@ ranks on two cores: its step time says what the collectives and the split cost, 
 gains on four devices.
 
     uv run python tools/bench/bench_cp.py [--seq 8192] [--vocab 8192] [--steps 3]
-        [--documents 40] [--cps 1,2,4]
+        [--documents 40] [--cps 1,2,4] [--attention auto,sdpa]
+
+`--attention` runs each `model.attention` mode's layouts (`auto`: segments on CPU, flex on
+CUDA, no mask over the sequence; `sdpa`: a dense mask per layer) one after the other.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     device = torch.device("cpu")
-    config = preset("small", vocab_size=args.vocab, max_seq_len=args.seq)
+    config = preset("small", vocab_size=args.vocab, max_seq_len=args.seq, attention=args.attention)
     loss_fn = TokenLoss(device)
     assembly = assemble(config, ParallelDims(cp=world), device, seed=0)
     document_end = EOD if args.documents > 1 else None  # data.document_masking on
@@ -108,13 +111,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_layout(args: argparse.Namespace, cp: int) -> dict[str, float]:
+def run_layout(args: argparse.Namespace, attention: str, cp: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         out = os.path.join(directory, "summary.json")
         command = [
             str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cp}", __file__,
             "--worker", f"--out={out}", f"--seq={args.seq}", f"--vocab={args.vocab}",
             f"--steps={args.steps}", f"--warmup={args.warmup}", f"--documents={args.documents}",
+            f"--attention={attention}",
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
@@ -131,6 +135,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--documents", type=int, default=0, help="packed documents a sample")
     parser.add_argument("--cps", default="1,2,4")
+    parser.add_argument(
+        "--attention", default="auto,sdpa", help="model.attention modes, one table each"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -143,16 +150,20 @@ def main() -> None:
         f"small shape, vocabulary {args.vocab}, one sample of {args.seq} tokens ({documents}), "
         f"{args.steps} measured steps after {args.warmup}"
     )
-    print(f"{'cp':>3} {'peak / rank':>12} {'vs cp 1':>8} {'step':>9} {'vs cp 1':>8}")
-    base = None
-    for cp in cps:
-        row = run_layout(args, cp)
-        base = base or row
-        print(
-            f"{cp:>3} {row['peak_mib']:>8.0f} MiB {row['peak_mib'] / base['peak_mib']:>7.2f}x "
-            f"{row['step_s']:>7.2f} s {row['step_s'] / base['step_s']:>7.2f}x",
-            flush=True,
-        )
+    print(
+        f"{'attention':>9} {'cp':>3} {'peak / rank':>12} {'vs cp 1':>8} {'step':>9} {'vs cp 1':>8}"
+    )
+    for attention in args.attention.split(","):
+        base = None
+        for cp in cps:
+            row = run_layout(args, attention, cp)
+            base = base or row
+            print(
+                f"{attention:>9} {cp:>3} {row['peak_mib']:>8.0f} MiB "
+                f"{row['peak_mib'] / base['peak_mib']:>7.2f}x "
+                f"{row['step_s']:>7.2f} s {row['step_s'] / base['step_s']:>7.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
