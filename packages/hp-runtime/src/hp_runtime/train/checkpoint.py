@@ -65,8 +65,9 @@ METADATA_KEY = "dcp_metadata_xxh3"  # meta.json's checksum of DCP's .metadata
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # The data keys a checkpoint records and a resume compares (stored redacted: `redact_data`).
 DATA_KEYS = ("type", "path", "valid_path", "split", "seed", "seq_length")
-# Fields that change nothing a checkpoint holds, so a resume may change them.
-INIT_ONLY = {"init_std"}
+# Fields that change nothing a checkpoint holds, so a resume may change them: the init, and
+# the attention kernel (every one computes the same rule; a GPU run's `flex` resumes on CPU).
+INIT_ONLY = {"init_std", "attention"}
 
 
 class CheckpointError(TrainError):
