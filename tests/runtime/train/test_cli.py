@@ -206,3 +206,37 @@ def test_the_package_face_and_help_load_no_torch_until_a_name_is_used():
     done = subprocess.run([sys.executable, "-c", LAZY_FACE], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False", "True", "True"]
+
+
+BAD_CONFIG = """
+import contextlib, io, sys
+import hp_runtime.model as model, hp_runtime.parallel as parallel
+from hp_runtime.train.cli import main
+err = io.StringIO()
+with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+    main(["--config", sys.argv[1], "model.attention=nope"])
+print("torch" in sys.modules, err.getvalue().strip())
+print(set(model.__all__) <= set(dir(model)), set(parallel.__all__) <= set(dir(parallel)))
+import hp_runtime.parallel.assemble
+print(parallel.assemble.__name__, type(parallel.assemble).__name__, model.Transformer.__name__)
+"""
+
+
+def test_a_bad_config_is_refused_before_torch_loads():
+    """The config's types (the model's shape, the parallel dims) are torch-free and the model
+    and parallel faces import on first use (PEP 562), so a bad key is one line in a fraction
+    of a second; `parallel.assemble` stays the function once its submodule loads."""
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", BAD_CONFIG, "examples/train_tiny.toml"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "False hp-train: error: model.attention: expected one of 'auto', 'sdpa', 'flex', "
+        "'segments', got 'nope'",
+        "True True",
+        "assemble function Transformer",
+    ]

@@ -1,6 +1,35 @@
-"""The Llama-style model, free of parallelism."""
+"""The Llama-style model, free of parallelism.
 
-from hp_runtime.model.config import PRESETS, ModelConfig, RopeScaling, preset
-from hp_runtime.model.llama import Transformer, initial_tensor
+The names below are imported on first use (PEP 562): the trainer's config reads `ModelConfig`
+and the presets, which need no torch, so a bad config is refused before torch loads.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hp_runtime.model.config import PRESETS, ModelConfig, RopeScaling, preset
+    from hp_runtime.model.llama import Transformer, initial_tensor
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "PRESETS": "hp_runtime.model.config",
+    "ModelConfig": "hp_runtime.model.config",
+    "RopeScaling": "hp_runtime.model.config",
+    "preset": "hp_runtime.model.config",
+    "Transformer": "hp_runtime.model.llama",
+    "initial_tensor": "hp_runtime.model.llama",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'hp_runtime.model' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __all__ = ["PRESETS", "ModelConfig", "RopeScaling", "Transformer", "initial_tensor", "preset"]

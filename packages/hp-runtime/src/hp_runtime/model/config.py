@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 AttentionMode = Literal["auto", "sdpa", "flex", "segments"]  # model.attention: stable names
 MODES: tuple[str, ...] = get_args(AttentionMode)
+CHUNK_TOKENS = 1024  # the loss head's tokens a chunk (model/loss.py): 0.5 GiB of fp32 logits
 
 
 class FieldError(ValueError):

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hp_runtime.model.config import CHUNK_TOKENS  # there, torch-free, for the trainer's config
+
 IGNORE = -100  # the label of a token without loss (F.cross_entropy's default ignore_index)
-CHUNK_TOKENS = 1024  # tokens per chunk: 0.5 GiB of fp32 logits at a 128k vocabulary
 
 
 def _chunk_losses(head: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

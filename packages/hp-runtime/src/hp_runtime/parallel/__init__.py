@@ -1,11 +1,53 @@
 """Parallelism plans, one file per dimension; `parallelize` applies them in order and
-`assemble` builds a rank's whole share of the model."""
+`assemble` builds a rank's whole share of the model.
 
-from hp_runtime.parallel.assemble import Assembly, assemble
-from hp_runtime.parallel.init import copy_full_, init_weights
-from hp_runtime.parallel.mesh import ParallelDims
-from hp_runtime.parallel.options import ParallelOptions
-from hp_runtime.parallel.parallelize import canonical_name, parallelize
+The names below are imported on first use (PEP 562): the trainer's config reads
+`ParallelDims` and `ParallelOptions`, which need no torch. `assemble` is both a submodule and
+a function; the package keeps the function under that name even after the submodule loads
+(the import system would otherwise set the module there).
+"""
+
+import sys
+import types
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hp_runtime.parallel.assemble import Assembly, assemble
+    from hp_runtime.parallel.init import copy_full_, init_weights
+    from hp_runtime.parallel.mesh import ParallelDims
+    from hp_runtime.parallel.options import ParallelOptions
+    from hp_runtime.parallel.parallelize import canonical_name, parallelize
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "Assembly": "hp_runtime.parallel.assemble",
+    "assemble": "hp_runtime.parallel.assemble",
+    "copy_full_": "hp_runtime.parallel.init",
+    "init_weights": "hp_runtime.parallel.init",
+    "ParallelDims": "hp_runtime.parallel.mesh",
+    "ParallelOptions": "hp_runtime.parallel.options",
+    "canonical_name": "hp_runtime.parallel.parallelize",
+    "parallelize": "hp_runtime.parallel.parallelize",
+}
+
+
+class _Face(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name in _HOMES:
+            return getattr(import_module(_HOMES[name]), name)
+        raise AttributeError(f"module 'hp_runtime.parallel' has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOMES and isinstance(value, types.ModuleType):
+            return  # a submodule named as a public name (assemble): the name stays the function
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_HOMES})
+
+
+sys.modules[__name__].__class__ = _Face
 
 __all__ = [
     "Assembly",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from hp_runtime.model.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where a mesh is built: the config needs only the dims
+    from torch.distributed.device_mesh import DeviceMesh
 
 # The mesh's dims, outermost first (torchtitan's order): a tensor-parallel group is the closest
 # ranks (one node's), a pipeline's stages the farthest apart. Stable names.
@@ -71,6 +73,8 @@ class ParallelDims:
         """A mesh with dims named as `MESH_DIMS` (sizes of 1 included)."""
         self.validate(world_size)
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
@@ -107,4 +111,4 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
         return shard
     # (dp_replicate, dp_shard_cp) on the two meshes' own groups, as fully_shard builds an HSDP
     # mesh itself (private too; slicing a flattened dim out of the root mesh is deprecated).
-    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+    return type(mesh)._concatenate([mesh["dp_replicate"], shard])

@@ -14,6 +14,7 @@ torch, and `plot` no model.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -38,14 +39,15 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
 
     from hp_runtime.train.config import load_config
     from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
-    from hp_runtime.train.launch import env_rank, start, stop
-    from hp_runtime.train.loop import train
 
-    rank = env_rank()
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group comes later
     try:
         config = load_config(config_path, list(overrides))
-    except ConfigError as exc:
+    except ConfigError as exc:  # before torch loads: a bad config is refused at once
         _fail(str(exc), 2, rank)
+    from hp_runtime.train.launch import start, stop
+    from hp_runtime.train.loop import train
+
     try:
         runtime = start(config.train.device, config.train.cpu_threads)
     except TrainError as exc:

@@ -26,8 +26,7 @@ from hp_data.gpt import MAX_SEQ_LENGTH
 from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
-from hp_runtime.model.config import PRESETS, FieldError, ModelConfig
-from hp_runtime.model.loss import CHUNK_TOKENS
+from hp_runtime.model.config import CHUNK_TOKENS, PRESETS, FieldError, ModelConfig
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.train.errors import ConfigError
