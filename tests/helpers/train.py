@@ -41,6 +41,23 @@ def corpus_overrides(corpus: Path, tokenizer: Path, cache: Path) -> list[str]:
     ]
 
 
+def corpus_samples(overrides: list[str], count: int, **fields: Any) -> Any:
+    """The `count` training samples of the corpus that `corpus_overrides` in `overrides` name,
+    built by hp-data's registry with `fields` (seq_length, eod_mask_loss, split, ...): what a
+    test reads to check that its run exercises what it claims."""
+    from hp_data.registry import DatasetConfig, build_dataset
+
+    values = dict(item.split("=", 1) for item in overrides)
+    config = DatasetConfig(
+        type="json_file",
+        path=values["data.path"],
+        tokenizer=values["data.tokenizer"],
+        cache_dir=values["data.cache_dir"],
+        **fields,
+    )
+    return build_dataset(config, num_samples=count)
+
+
 def _train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     from hp_runtime.train import load_config, train
     from hp_runtime.train.launch import start

@@ -19,7 +19,7 @@ from hp_runtime.parallel.cp import chunk_rows
 from hp_runtime.train.config import ConfigError, load_config
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.train import corpus_overrides, hp_train_here, train_ranks
+from tests.helpers.train import corpus_overrides, corpus_samples, hp_train_here, train_ranks
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -175,20 +175,8 @@ def documents(example_corpus, example_tokenizer, tmp_path_factory) -> list[str]:
 
 def _loss_tokens_per_rank(overrides: list[str], size: int) -> set[tuple[float, ...]]:
     """The loss tokens each of `size` cp ranks holds, per training sample."""
-    from hp_data.registry import DatasetConfig, build_dataset
-
-    values = dict(item.split("=", 1) for item in overrides)
-    dataset = build_dataset(
-        DatasetConfig(
-            type="json_file",
-            seq_length=32,
-            path=values["data.path"],
-            tokenizer=values["data.tokenizer"],
-            eod_mask_loss=True,
-            cache_dir=values["data.cache_dir"],
-            split="90,10,0",
-        ),
-        num_samples=4 * STEPS,
+    dataset = corpus_samples(
+        overrides, 4 * STEPS, seq_length=32, eod_mask_loss=True, split="90,10,0"
     )
     counts = set()
     for i in range(4 * STEPS):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers.train import corpus_overrides, train_ranks
+from tests.helpers.train import corpus_overrides, corpus_samples, train_ranks
 
 STEPS = 6
 
@@ -38,20 +38,7 @@ def overrides(example_corpus, example_tokenizer, tmp_path_factory):
 
 
 def _loss_tokens_differ(overrides: list[str]) -> bool:
-    from hp_data.registry import DatasetConfig, build_dataset
-
-    values = dict(item.split("=", 1) for item in overrides)
-    dataset = build_dataset(
-        DatasetConfig(
-            type="json_file",
-            seq_length=32,
-            path=values["data.path"],
-            tokenizer=values["data.tokenizer"],
-            eod_mask_loss=True,
-            cache_dir=values["data.cache_dir"],
-        ),
-        num_samples=4 * STEPS,
-    )
+    dataset = corpus_samples(overrides, 4 * STEPS, seq_length=32, eod_mask_loss=True)
     counts = [float(dataset[i]["loss_mask"].sum()) for i in range(4 * STEPS)]
     return len(set(counts)) > 1
 

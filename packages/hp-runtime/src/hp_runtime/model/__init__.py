@@ -4,8 +4,9 @@ The names below are imported on first use (PEP 562): the trainer's config reads 
 and the presets, which need no torch, so a bad config is refused before torch loads.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_runtime.face import lazy_face
 
 if TYPE_CHECKING:
     from hp_runtime.model.config import PRESETS, ModelConfig, RopeScaling, preset
@@ -22,14 +23,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'hp_runtime.model' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+lazy_face(__name__, _HOMES)
 
 
 __all__ = ["PRESETS", "ModelConfig", "RopeScaling", "Transformer", "initial_tensor", "preset"]

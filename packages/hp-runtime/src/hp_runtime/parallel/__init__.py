@@ -7,10 +7,9 @@ a function; the package keeps the function under that name even after the submod
 (the import system would otherwise set the module there).
 """
 
-import sys
-import types
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_runtime.face import lazy_face
 
 if TYPE_CHECKING:
     from hp_runtime.parallel.assemble import Assembly, assemble
@@ -32,22 +31,7 @@ _HOMES = {
 }
 
 
-class _Face(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name in _HOMES:
-            return getattr(import_module(_HOMES[name]), name)
-        raise AttributeError(f"module 'hp_runtime.parallel' has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _HOMES and isinstance(value, types.ModuleType):
-            return  # a submodule named as a public name (assemble): the name stays the function
-        super().__setattr__(name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted({*super().__dir__(), *_HOMES})
-
-
-sys.modules[__name__].__class__ = _Face
+lazy_face(__name__, _HOMES)
 
 __all__ = [
     "Assembly",

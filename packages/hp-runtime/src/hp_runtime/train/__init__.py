@@ -5,8 +5,9 @@ submodule import (`from hp_runtime.train import rng`) need none of the loop's to
 tokenizers or multiprocessing.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hp_runtime.face import lazy_face
 
 if TYPE_CHECKING:
     from hp_runtime.train.config import Config, load_config
@@ -23,14 +24,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'hp_runtime.train' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:  # dir() and completion list the names before their first use
-    return sorted({*globals(), *_HOMES})
+lazy_face(__name__, _HOMES)
 
 
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]
