@@ -37,8 +37,9 @@ def token_losses(
 ) -> torch.Tensor:
     """Each token's cross-entropy (b, s), fp32, 0 where `labels` is IGNORE, of the logits
     `head(h)` for hidden states `h` (b, s, dim). Chunks span `chunk // b` positions (at least
-    one) of every sample; `chunk = 0` computes the whole sequence at once, without recompute."""
-    if chunk == 0:
+    one) of every sample; `chunk = 0`, or a chunk that holds the whole micro-batch, computes
+    it at once, without recompute."""
+    if chunk == 0 or chunk >= labels.numel():  # one chunk: nothing to free, nothing to redo
         parts = [_chunk_losses(head, h, labels)]
     else:
         positions = max(1, chunk // labels.shape[0])
