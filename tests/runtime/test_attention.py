@@ -6,7 +6,7 @@ document spanning the sample, documents of length 1, a first document continuing
 previous sample, and query rows in runs (context parallelism). GQA throughout (4 query
 heads on 2 key/value heads). `segments` runs with its packing bound at the default and at 8
 rows, so that at these tiny lengths it takes every branch (long causal documents, packed short
-ones, a continuing document cut into calls).
+ones, a long document continuing into a run of rows: one call without a mask on CPU).
 """
 
 from __future__ import annotations

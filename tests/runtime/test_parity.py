@@ -73,8 +73,6 @@ DOCUMENT_LAYOUTS = {
     "cp4-mask": (4, {"cp": 4}, {}, None, "mask"),
     "fsdp2xcp2-tied-mask": (4, {"dp_shard": 2, "cp": 2}, TIED, None, "mask"),
     "cp2xtp2-mask": (4, {"cp": 2, "tp": 2}, {}, None, "mask"),
-    "hsdp2x1xcp2-mask": (4, {"dp_replicate": 2, "cp": 2}, {}, None, "mask"),
-    "cp2-ac-full-mask": (2, {"cp": 2}, {}, {"ac": "full"}, "mask"),
     "cp2xpp2-mask": (4, {"cp": 2, "pp": 2}, {}, {"schedule": "gpipe"}, "mask"),
 }
 

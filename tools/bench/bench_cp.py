@@ -9,7 +9,8 @@ documents and attention is masked to them (`data.document_masking`).
 
 Activation memory is the peak resident set of the step above the resident set before it
 (Linux's VmHWM, reset through /proc/self/clear_refs before each step; gradients and FSDP's
-gathered parameters included), the largest over the ranks and the measured steps. Step time
+gathered parameters included; glibc's mmap threshold fixed at 64 KiB, so that freed tensors
+leave the resident set), the largest over the ranks and the measured steps. Step time
 is the median over the measured steps of the slowest rank. On a 2-core machine cp 4 runs four
 ranks on two cores: its step time says what the collectives and the split cost, not what cp
 gains on four devices.
@@ -120,7 +121,10 @@ def run_layout(args: argparse.Namespace, attention: str, cp: int) -> dict[str, f
             f"--steps={args.steps}", f"--warmup={args.warmup}", f"--documents={args.documents}",
             f"--attention={attention}",
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # A fixed mmap threshold: glibc then returns every freed tensor's pages at once (by
+        # default it keeps them for reuse once freed, and a step's peak above the resident set
+        # before it would miss what the previous step left resident).
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
         if done.returncode:
             sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-8000:]}")

@@ -197,7 +197,7 @@ RESHARD = {
                    (1, ["model.tie_embeddings=true"])),
     "one-to-hsdp2x2": ((1, []), (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"])),
     "cp2-to-one": ((2, ["parallel.cp=2"]), (1, [])),
-    "one-to-dp2xcp2": ((1, []), (4, ["parallel.dp_shard=2", "parallel.cp=2"])),
+    "one-to-hsdp2xcp2": ((1, []), (4, ["parallel.dp_replicate=2", "parallel.cp=2"])),
 }  # fmt: skip
 BASE = [  # SGD with momentum: optimizer state to move, less chaotic than Adam's first steps
     "data.type=dummy", "data.seq_length=32", "train.micro_batch_size=1",

@@ -126,10 +126,14 @@ def _starts(documents: torch.Tensor | None, keys: int) -> list[int]:
     return [0, *changes.tolist(), keys]  # host sync
 
 
-def _blocks(starts: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int, int, bool]]:
+def _blocks(
+    starts: list[int], runs: list[tuple[int, int]], bottom_right: bool = False
+) -> list[tuple[int, int, int, bool]]:
     """SDPA calls covering the query rows in local order: (first row, end row, first key,
     causal), global rows; a call's keys run from its first key to its end row. `causal`: one
-    document from its start (square, no mask needed); else the call takes a mask."""
+    document, its rows the last of its keys, no mask needed: square, from the document's
+    start, or with `bottom_right` also a document continuing into the run (`_BottomRight`);
+    else the call takes a mask."""
     blocks = []
     for row, stop in runs:
         doc = bisect.bisect_right(starts, row) - 1  # the document holding `row`
@@ -137,8 +141,8 @@ def _blocks(starts: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, i
             while starts[doc + 1] <= row:
                 doc += 1
             begin, end = starts[doc], min(starts[doc + 1], stop)
-            if begin == row and end - row > SEGMENT_ROWS:
-                blocks.append((row, end, row, True))
+            if (begin == row or bottom_right) and end - row > SEGMENT_ROWS:
+                blocks.append((row, end, begin, True))
                 row = end
                 continue
             last, cut = doc, min(end, row + SEGMENT_ROWS)
@@ -165,6 +169,45 @@ def _spans(x: torch.Tensor, bounds: list[int]) -> Callable[[int, int], torch.Ten
     return span
 
 
+class _BottomRight(torch.autograd.Function):
+    """Causal attention of rows that are the last of their keys (b, h, r, d) over (b, h_kv,
+    n, d): row i sees keys up to n - r + i, as in a document that continues into a run of
+    rows. Without a mask (CPU): the keys before the first row, seen by every row, and the
+    square after it, causal, in two flash calls merged by their logsumexps; the backward
+    gives each part the merged output and logsumexp, which is exact (the ring-attention
+    identity). torch's SDPA returns no logsumexp, hence its CPU flash kernels (the ones SDPA
+    itself runs here, and torch's own context-parallel attention calls)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        repeat, past = q.shape[1] // k.shape[1], k.shape[2] - q.shape[2]
+        kr, vr = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        seen, seen_lse = flash(q, kr[:, :, :past], vr[:, :, :past])
+        square, square_lse = flash(q, kr[:, :, past:], vr[:, :, past:], is_causal=True)
+        lse = torch.logaddexp(seen_lse, square_lse)
+        weights = (seen_lse - lse).exp().unsqueeze(-1), (square_lse - lse).exp().unsqueeze(-1)
+        out = (seen * weights[0] + square * weights[1]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        repeat, past = q.shape[1] // k.shape[1], k.shape[2] - q.shape[2]
+        kr, vr = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        parts = [
+            backward(grad, q, kr[:, :, cut], vr[:, :, cut], out, lse, 0.0, causal)
+            for cut, causal in ((slice(None, past), False), (slice(past, None), True))
+        ]
+        grad_q = parts[0][0] + parts[1][0]
+        grad_k, grad_v = (torch.cat([p[i] for p in parts], dim=2) for i in (1, 2))
+        fold = (k.shape[0], k.shape[1], repeat, *k.shape[2:])  # each kv head's query heads
+        return grad_q, grad_k.view(fold).sum(2), grad_v.view(fold).sum(2)
+
+
 def _segment_sample(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,15 +218,17 @@ def _segment_sample(
     """`segments` for one sample's q, k, v (1, ., ., d) and (s,) document ids, or for a whole
     batch without documents."""
     keys = k.shape[2]
-    blocks = _blocks(_starts(documents, keys), runs)
+    blocks = _blocks(_starts(documents, keys), runs, bottom_right=q.device.type == "cpu")
     bounds = sorted({0, keys, *(b for _, end, begin, _ in blocks for b in (begin, end))})
     k_span, v_span = _spans(k, bounds), _spans(v, bounds)
     queries = q.split([end - row for row, end, _, _ in blocks], dim=2)  # blocks tile q's rows
     outs = []
     for (row, end, begin, causal), query in zip(blocks, queries, strict=True):
         key, value = k_span(begin, end), v_span(begin, end)
-        if causal:
+        if causal and begin == row:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        elif causal:
+            out = _BottomRight.apply(query, key, value)
         else:
             block_documents = None if documents is None else documents[None, begin:end]
             rows = torch.arange(row - begin, end - begin, device=q.device)
@@ -195,9 +240,10 @@ def _segment_sample(
 
 def segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The rule without a mask over the sequence: causal SDPA per document, short neighbours
-    packed into calls of up to SEGMENT_ROWS rows with a mask of their own, a document that
-    continues into a run of rows from before it in calls of that many rows. Reads document
-    and row boundaries on the host (a sync per call on a GPU): the CPU path."""
+    packed into calls of up to SEGMENT_ROWS rows with a mask of their own, a longer document
+    that continues into a run of rows from before it (context parallelism's rows) in one call
+    without a mask on CPU (`_BottomRight`), in calls of that many masked rows elsewhere. Reads
+    document and row boundaries on the host (a sync per call on a GPU): the CPU path."""
     runs = _runs(layout.rows, q.shape[2])
     if layout.documents is None:
         return _segment_sample(q, k, v, None, runs)
