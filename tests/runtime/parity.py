@@ -119,7 +119,8 @@ def train(
             )
         elif documents is not None or rows is not None:
             # Every rank holds as many tokens, so the mean of the ranks' means is the batch's.
-            logits = assembly.model(inputs, positions, masking, rows=rows)
+            marked = document_ids(positions) if masking else None
+            logits = assembly.model(inputs, positions, marked, rows=rows)
             loss = loss_fn(logits, targets)
             loss.backward()
         elif options.loss_parallel:

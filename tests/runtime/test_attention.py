@@ -235,7 +235,7 @@ def test_model_gradients_equal_the_dense_mask(mode, segment_rows):
     for name in (mode, "sdpa"):
         torch.manual_seed(0)
         model = Transformer(preset("tiny", attention=name))
-        model(tokens, position_ids, document_masking=True).square().mean().backward()
+        model(tokens, position_ids, document_ids(position_ids)).square().mean().backward()
         grads[name] = {n: p.grad for n, p in model.named_parameters()}
     for n, want in grads["sdpa"].items():
         torch.testing.assert_close(grads[mode][n], want, atol=1e-5, rtol=1e-5, msg=n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hp_runtime.model import PRESETS, Transformer, preset
+from hp_runtime.model.attention import document_ids
 from hp_runtime.model.config import ModelConfig
 from hp_runtime.parallel import ParallelDims, init_weights
 
@@ -55,8 +56,9 @@ def test_document_masking_keeps_attention_inside_documents():
     changed = tokens.clone()
     changed[0, :5] = (changed[0, :5] + 1) % config.vocab_size  # edit the first document only
     with torch.no_grad():
-        before = model(tokens, positions, document_masking=True)
-        after = model(changed, positions, document_masking=True)
+        documents = document_ids(positions)
+        before = model(tokens, positions, documents)
+        after = model(changed, positions, documents)
         unmasked_after = model(changed, positions)
         unmasked_before = model(tokens, positions)
     torch.testing.assert_close(before[0, 5:], after[0, 5:])  # second document untouched

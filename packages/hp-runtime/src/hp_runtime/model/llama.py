@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_runtime.model.attention import Layout, attend, document_ids
+from hp_runtime.model.attention import Layout, attend
 from hp_runtime.model.config import ModelConfig
 from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
 
@@ -158,31 +158,27 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        document_masking: bool = False,
+        documents: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_chunk_tokens: int = CHUNK_TOKENS,
-        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of `tokens` (b, r). `position_ids` (b, s) restart at 0 at each document (None:
-        0..s-1); with `document_masking` attention stays inside the documents they delimit.
-        `rows` (r,) are the rows of the whole sequence that `tokens` are, when they are not all
-        of it (context parallelism); `position_ids` then cover the whole sequence. With `labels`
-        (b, r) the head returns each token's cross-entropy (b, r) instead, its logits computed
-        `loss_chunk_tokens` at a time (`loss.token_losses`), never all at once. `documents`
-        (b, s) number each token's document directly (`attention.documents_after_eod`), for
-        masking without resetting the positions; `document_masking` is then not needed."""
-        if document_masking and documents is None and position_ids is None:
-            raise ValueError("document_masking needs position_ids (restarting at 0 per document)")
+        """Logits of `tokens` (b, r). `position_ids` (b, s) rotate q and k (None: 0..s-1).
+        `documents` (b, s) number each token's document, and attention stays inside them
+        (None: a sample is one document; `attention.documents_after_eod` numbers them from the
+        EOD tokens, `attention.document_ids` from position ids that restart at 0). `rows` (r,)
+        are the rows of the whole sequence that `tokens` are, when they are not all of it
+        (context parallelism); `position_ids` and `documents` then cover the whole sequence.
+        With `labels` (b, r) the head returns each token's cross-entropy (b, r) instead, its
+        logits computed `loss_chunk_tokens` at a time (`loss.token_losses`), never all at
+        once."""
         positions = position_ids
         if position_ids is not None and rows is not None:
             positions = position_ids[:, rows]
         layout = Layout(
             mode=self.config.attention,
             positions=positions,
-            documents=document_ids(position_ids)
-            if document_masking and documents is None
-            else documents,
+            documents=documents,
             rows=rows,
         )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

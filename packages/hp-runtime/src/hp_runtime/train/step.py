@@ -124,12 +124,16 @@ class Stepper:
         end = self.document_end
         return [{**mb, "documents": documents_after_eod(mb["tokens"], end)} for mb in micro]
 
+    @staticmethod
+    def _labels(mb: Batch) -> torch.Tensor:
+        """The micro-batch's labels, IGNORE where its loss_mask is 0."""
+        return mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
+
     def _token_losses(self, mb: Batch) -> torch.Tensor:
         """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0."""
-        labels = mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
         return self.assembly.model(
             mb["tokens"],
-            labels=labels,
+            labels=self._labels(mb),
             loss_chunk_tokens=self.loss_chunk_tokens,
             rows=mb.get("rows"),
             **{name: mb[name] for name in self.reads},
@@ -150,9 +154,7 @@ class Stepper:
                     inputs = (inputs, *carried)
             targets = None
             if a.has_last_stage:
-                targets = torch.cat(
-                    [mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE) for mb in group]
-                )
+                targets = torch.cat([self._labels(mb) for mb in group])
             # The last stage's forward takes the labels too: it returns per-token losses.
             forward = None
             if targets is not None:
