@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import tomllib
 import typing
 from pathlib import Path
@@ -226,7 +227,14 @@ def _path_error(*overrides: str) -> str:
     return str(info.value)
 
 
-def test_paths_are_checked_before_the_run(tmp_path, example_tokenizer):
+def test_paths_are_checked_before_the_run(example_tokenizer):
+    # A short directory: messages shorten values past 80 characters, and pytest's own
+    # (a worker's under xdist) can be longer.
+    with tempfile.TemporaryDirectory(prefix="hp-") as name:
+        _check_paths(Path(name), example_tokenizer)
+
+
+def _check_paths(tmp_path: Path, example_tokenizer: Path) -> None:
     file = tmp_path / "file"
     file.write_text("mine")
     missing = tmp_path / "missing"
