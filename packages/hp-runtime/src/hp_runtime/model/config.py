@@ -138,6 +138,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int | None = None  # one head's width; None: dim // n_heads (Qwen3 sets it apart)
     ffn_hidden: int = 172
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -165,25 +166,42 @@ class ModelConfig:
         for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is not None:
+            if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool):
+                raise ValueError(f"head_dim={self.head_dim!r} must be an integer (or none)")
+            if self.head_dim < 1:
+                raise ValueError(f"head_dim={self.head_dim} must be at least 1")
+        elif self.dim % self.n_heads:
+            raise ValueError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rotary")
+        if self.head_size % 2:
+            width = "head_dim" if self.head_dim is not None else "head dim (dim / n_heads)"
+            raise ValueError(f"{width}={self.head_size} must be even for rotary")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The width of one attention head: `head_dim` where given, else dim // n_heads.
+        (`head_dim` itself stays as given, so that a preset's derived width follows an
+        overridden `dim` or `n_heads`.)"""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries (and of attention's output), n_heads · head_size: `dim`
+        unless `head_dim` sets it apart."""
+        return self.n_heads * self.head_size
 
     def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameters, counting a tied embedding once; with `active`, only those one token
         uses (its top-k experts of each MoE layer, not all of them)."""
-        kv = self.n_kv_heads * self.head_dim
-        attention = self.dim * self.dim * 2 + 2 * self.dim * kv  # wq, wo, wk, wv
-        attention += 2 * self.head_dim * self.qk_norm  # the q and k norms' weights
+        kv = self.n_kv_heads * self.head_size
+        attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv  # wq, wo, wk, wv
+        attention += 2 * self.head_size * self.qk_norm  # the q and k norms' weights (per head)
         total = self.dim + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         for layer in range(self.n_layers):  # + final norm and embeddings, above
             total += attention + self._ffn_params(layer, active) + 2 * self.dim  # two norms
@@ -202,10 +220,11 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 N (the active parameters, without the input embedding
-        lookup) plus attention's 12 · layers · dim · seq_len (forward and backward), as in the
-        PaLM/Megatron estimates."""
+        lookup) plus attention's 12 · layers · q_dim · seq_len (forward and backward; q_dim is
+        heads x head width, `dim` unless `head_dim` sets it apart), as in the PaLM/Megatron
+        estimates."""
         active = self.num_params(include_embeddings=False, active=True)
-        return 6 * active + 12 * self.n_layers * self.dim * seq_len
+        return 6 * active + 12 * self.n_layers * self.q_dim * seq_len
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -33,7 +33,7 @@ def inverse_frequencies(
     """The (head_dim/2,) rotary frequencies, under the config's scaling (Meta's
     `apply_scaling` of Llama 3.1, elementwise): long wavelengths slowed `factor` times,
     short ones kept, the band between interpolated."""
-    half = config.head_dim // 2
+    half = config.head_size // 2
     exponents = torch.arange(0, half, device=device, dtype=dtype) / half
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -73,16 +73,16 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
-        kv_dim = config.n_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.head_dim = config.head_size
+        kv_dim = config.n_kv_heads * config.head_size
+        self.wq = nn.Linear(config.dim, config.q_dim, bias=False)
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # per head, before rotary (Qwen3)
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.q_norm = RMSNorm(config.head_size, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_size, config.norm_eps)
         # (q, k, v, layout) -> output, k and v with n_kv_heads heads; context parallelism
         # wraps it to gather k and v first.
         self.kernel = attend
