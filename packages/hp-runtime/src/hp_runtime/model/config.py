@@ -182,6 +182,11 @@ class ModelConfig:
         if self.head_size % 2:
             width = "head_dim" if self.head_dim is not None else "head dim (dim / n_heads)"
             raise ValueError(f"{width}={self.head_size} must be even for rotary")
+        if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
+            raise ValueError(
+                f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer of "
+                f"n_layers={self.n_layers}; lower it, or drop model.moe for a dense model"
+            )
 
     @property
     def head_size(self) -> int:
@@ -293,6 +298,41 @@ PRESETS: dict[str, ModelConfig] = {
             ("llama3-405b", 16384, 126, 128, 53248, LLAMA_31_SCALING, False),
         )
     },
+    # Every layer routed, so that each stage of a two-stage pipeline holds a MoE layer; the
+    # softmax router renormalised, without shared experts: Mixtral's form, which exports.
+    "moe-tiny": ModelConfig(moe=MoEConfig(experts=8, top_k=2, expert_ffn_hidden=32)),
+    # The published shapes of Qwen/Qwen3-30B-A3B's and allenai/OLMoE-1B-7B-0924's config.json
+    # (`ffn_hidden` is their `intermediate_size`, which no layer uses: every layer is routed).
+    # Qwen3's head width (128) is not dim / heads (64). OLMoE's transformers model norms q
+    # and k across all heads (2 x 2048 weights a layer); hp norms them per head (2 x 128),
+    # so this preset has OLMoE's shapes but not its q/k norms (61,440 parameters fewer).
+    "qwen3-moe-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_hidden=6144,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        moe=MoEConfig(experts=128, top_k=8, expert_ffn_hidden=768),
+    ),
+    "olmoe-1b-7b": ModelConfig(
+        vocab_size=50304,
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_hidden=1024,
+        max_seq_len=4096,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        qk_norm=True,
+        moe=MoEConfig(experts=64, top_k=8, expert_ffn_hidden=1024, renormalize=False),
+    ),
 }
 
 
