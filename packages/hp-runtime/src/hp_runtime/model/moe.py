@@ -207,7 +207,7 @@ class Router(nn.Module):
 def aux_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
     """The Switch auxiliary loss: E · Σ_e f_e · P_e, with f_e the share of the T·k routed
     slots that went to expert e and P_e the mean over the T tokens of their probability for
-    e (`probs` (T, E), rows summing to 1). 1 at a perfectly even load, E at the worst."""
+    e (`probs` (T, E), rows summing to 1). 1 at a perfectly even load, E / k at the worst."""
     tokens, experts = probs.shape
     share = counts.to(probs.dtype) / max(tokens * top_k, 1)
     return experts * (share * probs.mean(dim=0)).sum()
