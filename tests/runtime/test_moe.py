@@ -137,12 +137,13 @@ def test_ties_go_to_the_lower_expert(router):
     torch.testing.assert_close(layer(x).double(), per_token(layer, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["weighted", "sum"])  # sum: an expanded (stride 0) gradient
 @pytest.mark.parametrize(
     "counts",
     [[3, 0, 5, 0, 2, 7, 0, 1], [0, 0, 18, 0, 0, 0, 0, 0], [0] * EXPERTS],
     ids=["some-empty", "all-to-one", "no-tokens"],
 )
-def test_grouped_kernel_equals_the_loop(counts):
+def test_grouped_kernel_equals_the_loop(counts, loss):
     generator = torch.Generator().manual_seed(2)
     counts = torch.tensor(counts)
     x = torch.randn(int(counts.sum()), DIM, generator=generator)
@@ -152,7 +153,10 @@ def test_grouped_kernel_equals_the_loop(counts):
     for kernel in (grouped_expert_ffn, expert_ffn):
         leaves = [t.clone().requires_grad_() for t in (x, ws[0], w2, ws[1])]
         out = kernel(leaves[0], counts, *leaves[1:])
-        (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+        if loss == "sum":
+            out.sum().backward()
+        else:
+            (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
         results.append([out.detach(), *(t.grad for t in leaves)])
     for grouped, loop in zip(*results, strict=True):
         torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)

@@ -81,7 +81,22 @@ def grouped_expert_ffn(
     with _autocast_off(x.device):
         gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)
         up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=ends)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
+        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
+    return _DenseGrad.apply(out)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a dense gradient: the grouped multiply's
+    backward refuses an expanded one (a sum's, stride 0) in torch 2.15, empty ones too
+    (which `contiguous` keeps as they are)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _grouped_mm takes
