@@ -66,7 +66,7 @@ def test_rotary_tables_equal_transformers(dim, heads, theta, scaling):
         rope_scaling=scaling,
     )  # fmt: skip
     np.testing.assert_allclose(inverse_frequencies(config), rotary.inv_freq, rtol=1e-6, atol=0)
-    half = config.head_dim // 2
+    half = config.head_size // 2
     with torch.no_grad():
         cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])
     tables = rotary_tables(config)

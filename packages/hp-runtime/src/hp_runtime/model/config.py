@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 AttentionMode = Literal["auto", "sdpa", "flex", "segments"]  # model.attention: stable names
+RouterKind = Literal["softmax", "sigmoid"]  # model.moe.router: stable names
+LoadBalance = Literal["aux_loss", "bias"]  # model.moe.load_balance: stable names
 MODES: tuple[str, ...] = get_args(AttentionMode)
 CHUNK_TOKENS = 1024  # the loss head's tokens a chunk (model/loss.py): 0.5 GiB of fp32 logits
 
@@ -63,6 +65,65 @@ class RopeScaling:
             raise FieldError("original_max_seq_len", length, "must be at least 1")
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A routed feed-forward (`model/moe.py`): each token goes to its `top_k` of `experts`
+    SwiGLU experts of width `expert_ffn_hidden`, and to `shared_experts` always-active ones
+    (one SwiGLU of width `shared_experts * expert_ffn_hidden`). Dropless: no capacity, no
+    token dropped.
+
+    `router = "softmax"` (Mixtral, Qwen3-MoE, OLMoE): softmax over all experts, top-k, the
+    k weights renormalised to sum to 1 when `renormalize`. `router = "sigmoid"`
+    (DeepSeek-V3): sigmoid scores, top-k (chosen by score + the balancing bias), the k scores
+    normalised when `renormalize`. Both then scaled by `route_scale`.
+
+    `load_balance = "aux_loss"`: the Switch/Qwen auxiliary loss, `aux_loss_coef` times its
+    sum over the MoE layers, added to the training loss. `"bias"`: DeepSeek-V3's
+    auxiliary-loss-free balancing: a per-expert bias, added to the scores only to choose the
+    experts, moved by `bias_update_rate` after each step towards the mean global load.
+    The first `first_dense_layers` layers keep the dense feed-forward (`ffn_hidden`)."""
+
+    experts: int
+    top_k: int
+    expert_ffn_hidden: int
+    shared_experts: int = 0
+    router: RouterKind = "softmax"
+    renormalize: bool = True
+    route_scale: float = 1.0
+    first_dense_layers: int = 0
+    load_balance: LoadBalance = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("experts", "top_k", "expert_ffn_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FieldError(name, value, "must be an integer of at least 1")
+        for name in ("shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise FieldError(name, value, "must be an integer of at least 0")
+        if self.top_k > self.experts:
+            raise FieldError("top_k", self.top_k, f"is more than experts={self.experts}")
+        if self.router not in get_args(RouterKind):
+            raise FieldError("router", self.router, 'must be "softmax" or "sigmoid"')
+        if self.load_balance not in get_args(LoadBalance):
+            raise FieldError("load_balance", self.load_balance, 'must be "aux_loss" or "bias"')
+        if not isinstance(self.renormalize, bool):
+            raise FieldError("renormalize", self.renormalize, "must be true or false")
+        for name in ("route_scale", "aux_loss_coef", "bias_update_rate"):
+            if not _number(getattr(self, name)) or getattr(self, name) < 0:
+                raise FieldError(name, getattr(self, name), "must be a number of at least 0")
+        if self.route_scale == 0:
+            raise FieldError("route_scale", self.route_scale, "must be more than 0")
+
+    @property
+    def shared_hidden(self) -> int:
+        """The width of the always-active SwiGLU (0: none)."""
+        return self.shared_experts * self.expert_ffn_hidden
+
+
 # Meta's scaling of Llama 3.1 (8B, 70B, 405B) and of Llama 3.2 (1B, 3B).
 LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
 LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
@@ -77,6 +138,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int | None = None  # one head's width; None: dim // n_heads (Qwen3 sets it apart)
     ffn_hidden: int = 172
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -86,47 +148,88 @@ class ModelConfig:
     init_std: float = 0.02
     # Which attention kernel runs (see `attention.py`); "auto" picks by batch and device.
     attention: AttentionMode = "auto"
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, OLMoE)
+    moe: MoEConfig | None = None  # None: every layer's feed-forward is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) routes its feed-forward over experts."""
+        return self.moe is not None and layer >= self.moe.first_dense_layers
 
     def __post_init__(self) -> None:
         if self.attention not in MODES:
             raise ValueError(f"attention={self.attention!r}; choose one of {', '.join(MODES)}")
+        if not isinstance(self.moe, MoEConfig | None):
+            raise ValueError(f"moe={self.moe!r} is not a MoEConfig or None")
         if not isinstance(self.rope_scaling, RopeScaling | None):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} is not a RopeScaling or None")
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is not None:
+            if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool):
+                raise ValueError(f"head_dim={self.head_dim!r} must be an integer (or none)")
+            if self.head_dim < 1:
+                raise ValueError(f"head_dim={self.head_dim} must be at least 1")
+        elif self.dim % self.n_heads:
+            raise ValueError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rotary")
+        if self.head_size % 2:
+            width = "head_dim" if self.head_dim is not None else "head dim (dim / n_heads)"
+            raise ValueError(f"{width}={self.head_size} must be even for rotary")
+        if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
+            raise ValueError(
+                f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer of "
+                f"n_layers={self.n_layers}; lower it, or drop model.moe for a dense model"
+            )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The width of one attention head: `head_dim` where given, else dim // n_heads.
+        (`head_dim` itself stays as given, so that a preset's derived width follows an
+        overridden `dim` or `n_heads`.)"""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
-    def num_params(self, include_embeddings: bool = True) -> int:
-        """Parameters, counting a tied embedding once."""
-        kv = self.n_kv_heads * self.head_dim
-        attention = self.dim * self.dim * 2 + 2 * self.dim * kv  # wq, wo, wk, wv
-        mlp = 3 * self.dim * self.ffn_hidden
-        block = attention + mlp + 2 * self.dim  # two RMSNorm weights
-        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        total = self.n_layers * block + self.dim + embeddings  # + final norm
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries (and of attention's output), n_heads · head_size: `dim`
+        unless `head_dim` sets it apart."""
+        return self.n_heads * self.head_size
+
+    def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
+        """Parameters, counting a tied embedding once; with `active`, only those one token
+        uses (its top-k experts of each MoE layer, not all of them)."""
+        kv = self.n_kv_heads * self.head_size
+        attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv  # wq, wo, wk, wv
+        attention += 2 * self.head_size * self.qk_norm  # the q and k norms' weights (per head)
+        total = self.dim + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        for layer in range(self.n_layers):  # + final norm and embeddings, above
+            total += attention + self._ffn_params(layer, active) + 2 * self.dim  # two norms
         if not include_embeddings:
             total -= self.vocab_size * self.dim
         return total
 
+    def _ffn_params(self, layer: int, active: bool) -> int:
+        if not self.is_moe_layer(layer):
+            return 3 * self.dim * self.ffn_hidden
+        moe = self.moe
+        assert moe is not None
+        used = moe.top_k if active else moe.experts
+        router = self.dim * moe.experts
+        return router + 3 * self.dim * (used * moe.expert_ffn_hidden + moe.shared_hidden)
+
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 N (without the input embedding lookup) plus attention's
-        12 · layers · dim · seq_len (forward and backward), as in the PaLM/Megatron estimates."""
-        return (
-            6 * self.num_params(include_embeddings=False) + 12 * self.n_layers * self.dim * seq_len
-        )
+        """Training FLOPs per token: 6 N (the active parameters, without the input embedding
+        lookup) plus attention's 12 · layers · q_dim · seq_len (forward and backward; q_dim is
+        heads x head width, `dim` unless `head_dim` sets it apart), as in the PaLM/Megatron
+        estimates."""
+        active = self.num_params(include_embeddings=False, active=True)
+        return 6 * active + 12 * self.n_layers * self.q_dim * seq_len
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -195,6 +298,41 @@ PRESETS: dict[str, ModelConfig] = {
             ("llama3-405b", 16384, 126, 128, 53248, LLAMA_31_SCALING, False),
         )
     },
+    # Every layer routed, so that each stage of a two-stage pipeline holds a MoE layer; the
+    # softmax router renormalised, without shared experts: Mixtral's form, which exports.
+    "moe-tiny": ModelConfig(moe=MoEConfig(experts=8, top_k=2, expert_ffn_hidden=32)),
+    # The published shapes of Qwen/Qwen3-30B-A3B's and allenai/OLMoE-1B-7B-0924's config.json
+    # (`ffn_hidden` is their `intermediate_size`, which no layer uses: every layer is routed).
+    # Qwen3's head width (128) is not dim / heads (64). OLMoE's transformers model norms q
+    # and k across all heads (2 x 2048 weights a layer); hp norms them per head (2 x 128),
+    # so this preset has OLMoE's shapes but not its q/k norms (61,440 parameters fewer).
+    "qwen3-moe-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_hidden=6144,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        moe=MoEConfig(experts=128, top_k=8, expert_ffn_hidden=768),
+    ),
+    "olmoe-1b-7b": ModelConfig(
+        vocab_size=50304,
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_hidden=1024,
+        max_seq_len=4096,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        qk_norm=True,
+        moe=MoEConfig(experts=64, top_k=8, expert_ffn_hidden=1024, renormalize=False),
+    ),
 }
 
 

@@ -7,12 +7,13 @@ import math
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hp_runtime.model.attention import Layout, attend
 from hp_runtime.model.config import ModelConfig
+from hp_runtime.model.ffn import FeedForward
 from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
+from hp_runtime.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +33,7 @@ def inverse_frequencies(
     """The (head_dim/2,) rotary frequencies, under the config's scaling (Meta's
     `apply_scaling` of Llama 3.1, elementwise): long wavelengths slowed `factor` times,
     short ones kept, the band between interpolated."""
-    half = config.head_dim // 2
+    half = config.head_size // 2
     exponents = torch.arange(0, half, device=device, dtype=dtype) / half
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -72,12 +73,16 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
-        kv_dim = config.n_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.head_dim = config.head_size
+        kv_dim = config.n_kv_heads * config.head_size
+        self.wq = nn.Linear(config.dim, config.q_dim, bias=False)
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # per head, before rotary (Qwen3)
+            self.q_norm = RMSNorm(config.head_size, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_size, config.norm_eps)
         # (q, k, v, layout) -> output, k and v with n_kv_heads heads; context parallelism
         # wraps it to gather k and v first.
         self.kernel = attend
@@ -87,6 +92,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         positions = layout.positions
         if positions is None:  # counted here, where the sequence is whole (after SP gathers)
             rows = layout.rows if layout.rows is not None else torch.arange(seq, device=x.device)
@@ -97,24 +104,17 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = (
+            MoE(config)
+            if config.is_moe_layer(layer)
+            else FeedForward(config.dim, config.ffn_hidden)
+        )
 
     def forward(
         self,
@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -153,6 +153,9 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the rotary tables where they are: `to_empty` leaves them uninitialised."""
         self.rotary = rotary_tables(self.config, device=self.rotary.device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     def forward(
         self,
@@ -200,8 +203,10 @@ def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int)
         name = "tok_embeddings.weight"  # a pipeline's last stage holds the tied head alone
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith("expert_bias"):  # a buffer, the balancing state: starts even
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     std = config.init_std
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = std / (2 * config.n_layers) ** 0.5  # residual projections, GPT-2 style
     return torch.randn(shape, generator=generator) * std

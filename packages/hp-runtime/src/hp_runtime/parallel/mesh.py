@@ -24,6 +24,10 @@ class ParallelDims:
     `dp_replicate > 1` with `dp_shard > 1` is HSDP; `dp_shard > 1` alone is FSDP. `cp > 1`
     splits each sample's sequence over `cp` ranks, which read the same samples; FSDP shards
     the parameters over `dp_shard x cp` (torchtitan's `dp_shard_cp`).
+
+    `ep > 1` shards the experts of a MoE model over groups of `ep` ranks carved out of
+    `dp_shard` (as torchtitan's `expert_parallel_degree`): it adds no ranks. The expert
+    weights are sharded by FSDP over the `dp_shard / ep` ranks left, dense weights over all.
     """
 
     dp_replicate: int = 1
@@ -31,6 +35,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # not a factor of the world: a split of dp_shard
 
     @property
     def world_size(self) -> int:
@@ -47,8 +52,21 @@ class ParallelDims:
                 f"{'*'.join(ORDER)} = {product} = {self.world_size}, but the world size is "
                 f"{world_size}"
             )
+        if self.ep < 1:
+            raise ValueError(f"ep={self.ep} must be at least 1")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp_shard={self.dp_shard}: expert parallelism "
+                "splits the sharded data-parallel ranks"
+            )
         if model is None:
             return
+        if self.ep > 1 and model.moe is None:
+            raise ValueError(f"ep={self.ep} needs a MoE model (model.moe)")
+        if model.moe is not None and model.moe.experts % self.ep:
+            raise ValueError(f"moe.experts={model.moe.experts} is not divisible by ep={self.ep}")
+        if model.moe is not None and self.cp > 1:
+            raise ValueError(f"cp={self.cp} with a MoE model (model.moe) is not supported yet")
         if model.n_heads % self.tp:
             raise ValueError(f"n_heads={model.n_heads} is not divisible by tp={self.tp}")
         if model.n_kv_heads % self.tp:

@@ -246,6 +246,7 @@ RANGES: dict[str, Range] = {
     "model.n_layers": _ints(1, 4096),  # the model is built layer by layer: bounded time
     "model.n_heads": _ints(1),
     "model.n_kv_heads": _ints(1),
+    "model.head_dim": _ints(1),  # none: dim / n_heads
     "model.ffn_hidden": _ints(1),
     "model.max_seq_len": _ints(1, 2**24),  # rotary positions are exact in float32 below 2**24
     "model.rope_theta": POSITIVE,

@@ -93,7 +93,7 @@ def hf_config(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
+        "head_dim": config.head_size,
         "max_position_embeddings": config.max_seq_len,
         **_hf_rope(config),
         "rms_norm_eps": config.norm_eps,
@@ -293,10 +293,10 @@ def model_config_from_hf(directory: str) -> dict[str, Any]:
     except ValueError as exc:
         raise TrainError(f"{path}: {exc}") from None
     head_dim = hf.get("head_dim")
-    if head_dim is not None and not _same(head_dim, shape.head_dim):
+    if head_dim is not None and not _same(head_dim, shape.head_size):
         raise TrainError(
             f"{path}: head_dim={_json(head_dim)}, but hp's Llama has hidden_size / "
-            f"num_attention_heads = {shape.head_dim}"
+            f"num_attention_heads = {shape.head_size}"
         )
     return fields
 
