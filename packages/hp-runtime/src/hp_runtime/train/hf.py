@@ -307,17 +307,16 @@ def _full(
             raise TrainError(f"model.init_from: {directory} has no tensor {source}")
     stacked = STACKED.fullmatch(name) is not None
     fused = stacked and is_fused(weights, name)
-    want = shape if stacked and not fused else None
-    for source in sources if stacked and not fused else ():
-        if tuple(weights[source].shape) != shape[1:]:
-            raise TrainError(
-                f"model.init_from: {source} has shape {list(weights[source].shape)}, the "
-                f"model's {name} one expert's {list(shape[1:])}"
-            )
-    if want is None:
-        want = shape  # the tensor as it is, or a fused one: (experts, 2 hidden, dim) for w1, w3
-        if fused and not name.endswith("w2"):
-            want = (shape[0], 2 * shape[1], *shape[2:])
+    split = fused and not name.endswith("w2")  # gate_up_proj: (experts, 2 hidden, dim)
+    if stacked and not fused:  # one tensor per expert
+        for source in sources:
+            if tuple(weights[source].shape) != shape[1:]:
+                raise TrainError(
+                    f"model.init_from: {source} has shape {list(weights[source].shape)}, the "
+                    f"model's {name} one expert's {list(shape[1:])}"
+                )
+    else:
+        want = (shape[0], 2 * shape[1], *shape[2:]) if split else shape
         if tuple(weights[sources[0]].shape) != want:
             raise TrainError(
                 f"model.init_from: {sources[0]} has shape {list(weights[sources[0]].shape)}, "
@@ -335,7 +334,7 @@ def _full(
     if stacked and not fused:
         return torch.stack([weights[source] for source in sources]).to(torch.float32)
     full = weights[sources[0]]
-    if want != shape:  # gate_up_proj: the gate's rows (w1), then the up projection's (w3)
+    if split:  # the gate's rows (w1), then the up projection's (w3)
         full = full.chunk(2, dim=1)[0 if name.endswith("w1") else 1]
     return full.to(torch.float32)
 
