@@ -446,7 +446,7 @@ def hf_reference(tmp_path_factory) -> Path:
 
 WANT = {
     **SHAPE, "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5,
-    "tie_embeddings": False,
+    "tie_embeddings": False, "qk_norm": False, "moe": None,
 }  # fmt: skip
 # Published configs (meta-llama/Llama-2-7b-hf, meta-llama/Meta-Llama-3-8B), as on the Hub.
 LLAMA_2 = {
@@ -496,6 +496,7 @@ def test_init_from_reads_what_transformers_writes(hf_reference, tmp_path):
         "n_kv_heads": ref.num_key_value_heads, "max_seq_len": ref.max_position_embeddings,
         "rope_theta": theta or ref.rope_theta, "rope_scaling": None,
         "norm_eps": ref.rms_norm_eps, "tie_embeddings": ref.tie_word_embeddings,
+        "qk_norm": False, "moe": None,
     }  # fmt: skip
     assert _read_config(tmp_path, LLAMA_2)["n_kv_heads"] == 32
     assert _read_config(tmp_path, LLAMA_3)["rope_theta"] == 500000.0
@@ -519,8 +520,8 @@ LLAMA_31_ROPE = {
          "attention_dropout=0.0 only"),
         ({"pretraining_tp": 2}, "pretraining_tp=2 is not supported; hp's Llama has "
          "pretraining_tp=1 only"),
-        ({"model_type": "mistral"}, 'model_type="mistral" is not supported; hp\'s Llama has '
-         'model_type="llama" only'),
+        ({"model_type": "mistral"}, 'model_type="mistral" is not supported; hp reads "llama", '
+         '"qwen3", "mixtral", "qwen3_moe", "dots1", "glm4_moe"'),
         ({"architectures": ["LlamaForSequenceClassification"]},
          'architectures=["LlamaForSequenceClassification"]; hp loads LlamaForCausalLM'),
         ({"rope_scaling": LLAMA_31_ROPE}, "rope_parameters and rope_scaling disagree; give one "
@@ -558,8 +559,7 @@ LLAMA_31_ROPE = {
         ({"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
          "rope_theta=500000.0, rope_parameters.rope_theta=10000.0 disagree; give one rotary "
          "theta"),
-        ({"head_dim": 32}, "head_dim=32, but hp's Llama has hidden_size / num_attention_heads "
-         "= 16"),
+        ({"head_dim": 7}, "head_dim=7 must be even for rotary"),
         ({"sliding_window": 4096}, "sliding_window is not a field hp's Llama implements; hp "
          "loads plain Llama models only"),
         ({"hidden_size": "64"}, 'hidden_size="64" must be a positive integer'),

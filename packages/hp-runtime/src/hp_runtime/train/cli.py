@@ -120,7 +120,8 @@ def _size(text: str) -> int:
 )
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Per safetensors file.")
 def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -> None:
-    """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF Llama directory."""
+    """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF directory (Llama, Qwen3,
+    Mixtral, Qwen3-MoE, Dots1 or GLM-4-MoE: the family that is exactly its model)."""
     from hp_runtime.train.errors import TrainError
     from hp_runtime.train.exportdir import leftovers
     from hp_runtime.train.hf import export_checkpoint

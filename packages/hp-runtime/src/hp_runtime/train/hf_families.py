@@ -1,0 +1,817 @@
+"""The transformers families whose models are exactly hp's, as config.json and checkpoint
+names spell them: pure functions of dicts and names (`train/hf.py` reads and writes the files).
+
+| hp                                       | qk_norm false          | qk_norm true          |
+|------------------------------------------|------------------------|-----------------------|
+| dense                                    | `LlamaForCausalLM`     | `Qwen3ForCausalLM`    |
+| `moe.router = "softmax"`                 | `MixtralForCausalLM`   | `Qwen3MoeForCausalLM` |
+| `moe.router = "sigmoid"`, shared experts | `Glm4MoeForCausalLM`   | `Dots1ForCausalLM`    |
+
+Mixtral's softmax over the top-k logits is hp's softmax over all experts, top-k,
+renormalised; Qwen3-MoE renormalises when `norm_topk_prob` and keeps its `mlp_only_layers`
+dense; Dots1 (Qwen3's attention) and GLM-4-MoE (Llama's, `use_qk_norm` optional, with
+`partial_rotary_factor` 1.0) route as DeepSeek-V3 does: sigmoid scores, the top-k chosen by
+score + `e_score_correction_bias` (hp's `expert_bias`), normalised (`norm_topk_prob`), scaled
+(`routed_scaling_factor`), plus `n_shared_experts` always-active experts, one group
+(n_group = topk_group). What none of them computes is refused by key (`family_of`): a softmax
+router with shared experts (Qwen2-MoE gates its shared expert with a sigmoid, hp does not),
+a routing scale or a balancing bias with softmax, Mixtral without renormalised weights or
+with dense layers, the sigmoid router without shared experts.
+
+hp stacks a layer's experts (`experts.w1`: (experts, hidden, dim)). HF checkpoints hold one
+tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's
+`block_sparse_moe.experts.{e}.w1.weight`), which is what `save_pretrained` writes in
+transformers 4 and 5; transformers 5's models hold them fused (`mlp.experts.gate_up_proj`:
+(experts, 2 hidden, dim), the gate's rows first, and `mlp.experts.down_proj`) and load either
+layout. `hf_names` gives both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from hp_runtime.model import ModelConfig
+from hp_runtime.model.config import FieldError, MoEConfig, RopeScaling
+from hp_runtime.train.errors import TrainError
+
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# A layer's tensors outside its feed-forward, in every family.
+_ATTENTION = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# A SwiGLU's weights as HF's MLPs name them (dense layers, shared experts, Qwen's experts).
+_SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+STACKED = re.compile(r"layers\.\d+\.feed_forward\.experts\.w[123]")  # (experts, ...)
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers architecture that computes exactly hp's model for the configs
+    `family_of` gives it: how its config.json and its checkpoints spell that model."""
+
+    architecture: str
+    model_type: str
+    label: str  # in messages: "hp's Mixtral"
+    # transformers' values of the fields a config.json may leave out
+    defaults: dict[str, Any]
+    # fields whose other values compute something else: hp implements this value only
+    fixed: dict[str, Any]
+    # the family's own fields of config.json: from hp's config, and hp's fields from them
+    write: Callable[[ModelConfig], dict[str, Any]]
+    read: Callable[[str, dict[str, Any], Family], dict[str, Any]]
+    fields: frozenset[str]  # the fields `read` takes
+    moe_block: str = "mlp"  # a MoE layer's block in its checkpoints
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # w1, w3, w2
+    bias: bool = False  # the router's `e_score_correction_bias` (DeepSeek-V3's balancing)
+    fp32: tuple[str, ...] = ()  # tensors its models keep in float32 whatever the dtype
+    rope_fields: tuple[str, ...] = ()  # rope_parameters fields `read` takes
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """`value` is `default` as JSON means it (true is not 1, 0 is 0.0)."""
+    if isinstance(default, bool) or default is None:
+        return value is default
+    if isinstance(default, int | float):
+        return isinstance(value, int | float) and not isinstance(value, bool) and value == default
+    return type(value) is type(default) and value == default
+
+
+def _positive(path: str, key: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+    if not ok or not value > 0 or not math.isfinite(value):
+        noun = "a positive integer" if kind is int else "a positive number"
+        raise TrainError(f"{path}: {key}={_json(value)} must be {noun}")
+    return value
+
+
+def _get(path: str, hf: dict[str, Any], family: Family, *keys: str) -> Any:
+    """A field that transformers reads under any of `keys` (its attribute_map; where several
+    are given they must agree), else the family's default; required when it has none."""
+    given = {key: hf[key] for key in keys if hf.get(key) is not None}
+    if len({_json(value) for value in given.values()}) > 1:
+        both = ", ".join(f"{key}={_json(value)}" for key, value in given.items())
+        raise TrainError(f"{path}: {both} disagree; give one")
+    if given:
+        return next(iter(given.values()))
+    default = family.defaults.get(keys[0], _REQUIRED)
+    if default is _REQUIRED:
+        raise TrainError(f"{path}: {keys[0]} is missing; an HF {family.label} config.json gives it")
+    return default
+
+
+def _count(path: str, hf: dict[str, Any], family: Family, *keys: str) -> int:
+    key = next((k for k in keys if hf.get(k) is not None), keys[0])
+    return _positive(path, key, _get(path, hf, family, *keys), int)
+
+
+def _flag(path: str, hf: dict[str, Any], family: Family, key: str) -> bool:
+    value = _get(path, hf, family, key)
+    if not isinstance(value, bool):
+        raise TrainError(f"{path}: {key}={_json(value)} must be true or false")
+    return value
+
+
+def _full_attention(path: str, hf: dict[str, Any], family: Family) -> None:
+    """Every layer attends to the whole causal prefix: hp has no sliding window. Layers are
+    sliding where `layer_types` says so, else (transformers' rule) from `max_window_layers`
+    on when a `sliding_window` is set (and `use_sliding_window`, where the family has it)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is not None:
+        if types != ["full_attention"] * layers:
+            raise TrainError(
+                f"{path}: layer_types={_json(types)} is not supported; hp's attention is "
+                f'"full_attention" in each of the {layers} layers (no sliding window)'
+            )
+        return
+    if "use_sliding_window" in family.fixed:
+        return  # fixed false: transformers sets the window to none
+    window = _get(path, hf, family, "sliding_window")
+    first = _get(path, hf, family, "max_window_layers")
+    if window is not None and not (isinstance(first, int) and first >= layers):
+        raise TrainError(
+            f"{path}: sliding_window={_json(window)} from max_window_layers={_json(first)} "
+            f"is not supported; hp's attention has no sliding window (set sliding_window "
+            "to null)"
+        )
+
+
+def _moe(path: str, keys: dict[str, str], **fields: Any) -> MoEConfig:
+    """The MoEConfig of `fields` (hp's names), a problem named by its config.json key."""
+    if fields["top_k"] > fields["experts"]:
+        raise TrainError(
+            f"{path}: {keys['top_k']}={fields['top_k']} is more than "
+            f"{keys['experts']}={fields['experts']}"
+        )
+    try:
+        return MoEConfig(**fields)
+    except FieldError as exc:
+        raise TrainError(
+            f"{path}: {keys.get(exc.field, exc.field)}={_json(exc.value)} {exc.problem}"
+        ) from None
+
+
+def _dense_layers(fields: dict[str, Any], hf: dict[str, Any], path: str, first: int) -> None:
+    """The dense layers' width, where the model has dense layers (else config.json's
+    `intermediate_size` shapes nothing)."""
+    if first:
+        fields["ffn_hidden"] = _positive(
+            path, "intermediate_size", hf.get("intermediate_size"), int
+        )
+
+
+# --- each family's own fields -----------------------------------------------------------
+
+
+def _write_llama(config: ModelConfig) -> dict[str, Any]:
+    return {"intermediate_size": config.ffn_hidden, "attention_bias": False, "mlp_bias": False}
+
+
+def _read_dense(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    if family is QWEN3:
+        _full_attention(path, hf, family)
+    hidden = _get(path, hf, family, "intermediate_size")
+    return {
+        "qk_norm": family is QWEN3,
+        "ffn_hidden": _positive(path, "intermediate_size", hidden, int),
+    }
+
+
+def _no_window(config: ModelConfig) -> dict[str, Any]:
+    """config.json's fields for attention without a sliding window, in every layer."""
+    return {
+        "sliding_window": None,
+        "max_window_layers": config.n_layers,
+        "layer_types": ["full_attention"] * config.n_layers,
+    }
+
+
+def _write_qwen3(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "intermediate_size": config.ffn_hidden,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        **_no_window(config),
+    }
+
+
+def _write_mixtral(config: ModelConfig) -> dict[str, Any]:
+    moe = config.moe
+    assert moe is not None
+    return {
+        "intermediate_size": moe.expert_ffn_hidden,  # Mixtral's experts' width
+        "num_local_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _read_mixtral(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """Softmax over the experts, the top-k weights renormalised (Mixtral's softmax over the
+    top-k logits is the same), every layer routed."""
+    keys = {"experts": "num_local_experts", "top_k": "num_experts_per_tok"}
+    moe = _moe(
+        path,
+        keys,
+        experts=_count(path, hf, family, "num_local_experts", "num_experts"),
+        top_k=_count(path, hf, family, "num_experts_per_tok"),
+        expert_ffn_hidden=_count(path, hf, family, "intermediate_size"),
+        router="softmax",
+        renormalize=True,
+    )
+    return {"moe": moe}
+
+
+def _write_qwen3_moe(config: ModelConfig) -> dict[str, Any]:
+    moe = config.moe
+    assert moe is not None
+    return {
+        "intermediate_size": config.ffn_hidden,  # the dense layers' (mlp_only_layers)
+        "moe_intermediate_size": moe.expert_ffn_hidden,
+        "num_experts": moe.experts,  # transformers 4's name, and 5's attribute_map
+        "num_local_experts": moe.experts,  # what transformers 5 writes
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(moe.first_dense_layers)),
+        "attention_bias": False,
+        "use_sliding_window": False,
+        **_no_window(config),
+    }
+
+
+def _read_qwen3_moe(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """Softmax top-k, renormalised when `norm_topk_prob`; a layer is dense when it is in
+    `mlp_only_layers` or `(layer + 1) % decoder_sparse_step` is not 0: hp's dense layers
+    are the first `moe.first_dense_layers`, so only step 1 and mlp_only_layers = [0, k)."""
+    _full_attention(path, hf, family)
+    step = _get(path, hf, family, "decoder_sparse_step")
+    if not _same(step, 1):
+        raise TrainError(
+            f"{path}: decoder_sparse_step={_json(step)} is not supported; hp routes every "
+            "layer after its first dense ones (model.moe.first_dense_layers), which is "
+            "decoder_sparse_step 1"
+        )
+    dense = _get(path, hf, family, "mlp_only_layers")
+    if not (isinstance(dense, list) and sorted(dense) == list(range(len(dense)))):
+        raise TrainError(
+            f"{path}: mlp_only_layers={_json(dense)} is not supported; hp's dense layers are "
+            "the first k (mlp_only_layers = [0, 1, ..., k - 1], model.moe.first_dense_layers "
+            "= k)"
+        )
+    keys = {"experts": "num_experts", "top_k": "num_experts_per_tok"}
+    fields: dict[str, Any] = {"qk_norm": True}
+    fields["moe"] = _moe(
+        path,
+        keys,
+        experts=_count(path, hf, family, "num_experts", "num_local_experts"),
+        top_k=_count(path, hf, family, "num_experts_per_tok"),
+        expert_ffn_hidden=_count(path, hf, family, "moe_intermediate_size"),
+        router="softmax",
+        renormalize=_flag(path, hf, family, "norm_topk_prob"),
+        first_dense_layers=len(dense),
+    )
+    _dense_layers(fields, hf, path, len(dense))
+    return fields
+
+
+def _write_shared(config: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's routing, as Dots1 and GLM-4-MoE spell it: sigmoid scores, top-k chosen
+    by score + bias, the k scores normalised (`norm_topk_prob`) and scaled, plus shared
+    experts; one group (no group-limited routing)."""
+    moe = config.moe
+    assert moe is not None
+    return {
+        "intermediate_size": config.ffn_hidden,  # the first_k_dense_replace layers'
+        "moe_intermediate_size": moe.expert_ffn_hidden,
+        "n_routed_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_experts,
+        "first_k_dense_replace": moe.first_dense_layers,
+        "norm_topk_prob": moe.renormalize,
+        "routed_scaling_factor": moe.route_scale,
+        "n_group": 1,
+        "topk_group": 1,
+        "attention_bias": False,
+    }
+
+
+def _write_dots1(config: ModelConfig) -> dict[str, Any]:
+    return {**_write_shared(config), **_no_window(config)}
+
+
+def _write_glm4_moe(config: ModelConfig) -> dict[str, Any]:
+    """GLM-4-MoE rotates a fraction of each head (partial_rotary_factor, 0.5 by default):
+    hp rotates all of it. transformers 4 reads the factor at the top, 5 in rope_parameters."""
+    rope = {**_hf_rope(config)["rope_parameters"], "partial_rotary_factor": 1.0}
+    return {
+        **_write_shared(config),
+        "use_qk_norm": config.qk_norm,
+        "partial_rotary_factor": 1.0,
+        "rope_parameters": rope,
+        "num_nextn_predict_layers": 0,  # no multi-token prediction layers (5: num_mtp_layers)
+        "num_mtp_layers": 0,
+    }
+
+
+def _read_shared(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """DeepSeek-V3's routing (see `_write_shared`). Group-limited routing keeps the experts
+    of the best `topk_group` of `n_group` groups: with topk_group = n_group it keeps all,
+    which is hp's."""
+    groups = [_count(path, hf, family, key) for key in ("n_group", "topk_group")]
+    if groups[0] != groups[1]:
+        raise TrainError(
+            f"{path}: n_group={groups[0]} with topk_group={groups[1]} is not supported; hp "
+            "routes over all the experts (group-limited routing needs topk_group = n_group)"
+        )
+    first = _get(path, hf, family, "first_k_dense_replace")
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise TrainError(f"{path}: first_k_dense_replace={_json(first)} must be an integer >= 0")
+    scale = _get(path, hf, family, "routed_scaling_factor")
+    keys = {
+        "experts": "n_routed_experts",
+        "top_k": "num_experts_per_tok",
+        "route_scale": "routed_scaling_factor",
+    }
+    fields: dict[str, Any] = {}
+    fields["moe"] = _moe(
+        path,
+        keys,
+        experts=_count(path, hf, family, "n_routed_experts", "num_local_experts"),
+        top_k=_count(path, hf, family, "num_experts_per_tok"),
+        expert_ffn_hidden=_count(path, hf, family, "moe_intermediate_size"),
+        shared_experts=_count(path, hf, family, "n_shared_experts"),
+        router="sigmoid",
+        renormalize=_flag(path, hf, family, "norm_topk_prob"),
+        route_scale=float(_positive(path, "routed_scaling_factor", scale, float)),
+        first_dense_layers=first,
+    )
+    _dense_layers(fields, hf, path, first)
+    return fields
+
+
+def _read_dots1(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    _full_attention(path, hf, family)
+    return {"qk_norm": True, **_read_shared(path, hf, family)}
+
+
+def _read_glm4_moe(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    given = {"partial_rotary_factor": hf.get("partial_rotary_factor")}
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(hf.get(key), dict):
+            given[f"{key}.partial_rotary_factor"] = hf[key].get("partial_rotary_factor")
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        raise TrainError(
+            f"{path}: partial_rotary_factor is missing, which transformers' GLM-4-MoE reads "
+            "as 0.5; hp rotates the whole of each head (partial_rotary_factor 1.0)"
+        )
+    for key, value in given.items():
+        if not _same(value, 1.0):
+            raise TrainError(
+                f"{path}: {key}={_json(value)} is not supported; hp rotates the whole of each "
+                "head (partial_rotary_factor 1.0)"
+            )
+    return {"qk_norm": _flag(path, hf, family, "use_qk_norm"), **_read_shared(path, hf, family)}
+
+
+_WINDOW_FIELDS = frozenset({"sliding_window", "max_window_layers", "layer_types"})
+_SHARED_FIELDS = frozenset(
+    """intermediate_size moe_intermediate_size n_routed_experts num_local_experts
+    num_experts_per_tok n_shared_experts first_k_dense_replace norm_topk_prob
+    routed_scaling_factor n_group topk_group""".split()
+)
+_FP32 = ("gate.weight", "gate.e_score_correction_bias")  # `_keep_in_fp32_modules_strict`
+
+
+def _defaults(kv: int, positions: int, eps: float, theta: float, **more: Any) -> dict[str, Any]:
+    """A config class's defaults: num_key_value_heads, max_position_embeddings, rms_norm_eps,
+    the rotary theta, and its own."""
+    return {
+        "num_key_value_heads": kv, "max_position_embeddings": positions, "rms_norm_eps": eps,
+        "rope_theta": theta, **more,
+    }  # fmt: skip
+
+
+# Each as transformers defines it (its config class's defaults, its modeling's names).
+LLAMA = Family(
+    "LlamaForCausalLM", "llama", "Llama",
+    defaults=_defaults(None, 2048, 1e-6, 10000.0),
+    fixed={"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    write=_write_llama, read=_read_dense, fields=frozenset({"intermediate_size"}),
+)  # fmt: skip
+QWEN3 = Family(
+    "Qwen3ForCausalLM", "qwen3", "Qwen3",
+    defaults=_defaults(32, 32768, 1e-6, 10000.0, head_dim=128, sliding_window=4096,
+                       max_window_layers=28),
+    fixed={"attention_bias": False, "use_sliding_window": False},
+    write=_write_qwen3, read=_read_dense, fields=_WINDOW_FIELDS | {"intermediate_size"},
+)  # fmt: skip
+MIXTRAL = Family(
+    "MixtralForCausalLM", "mixtral", "Mixtral",
+    defaults=_defaults(8, 4096 * 32, 1e-5, 1e6),
+    fixed={"sliding_window": None, "router_jitter_noise": 0.0},
+    write=_write_mixtral, read=_read_mixtral,
+    fields=frozenset({"intermediate_size", "num_local_experts", "num_experts",
+                      "num_experts_per_tok"}),
+    moe_block="block_sparse_moe", expert_parts=("w1", "w3", "w2"),
+)  # fmt: skip
+QWEN3_MOE = Family(
+    "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3-MoE",
+    defaults=_defaults(4, 32768, 1e-6, 10000.0, decoder_sparse_step=1, mlp_only_layers=[],
+                       norm_topk_prob=False, sliding_window=4096, max_window_layers=28),
+    fixed={"attention_bias": False, "use_sliding_window": False},
+    write=_write_qwen3_moe, read=_read_qwen3_moe,
+    fields=_WINDOW_FIELDS | {"intermediate_size", "moe_intermediate_size", "num_experts",
+                             "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+                             "decoder_sparse_step", "mlp_only_layers"},
+)  # fmt: skip
+DOTS1 = Family(
+    "Dots1ForCausalLM", "dots1", "Dots1",
+    defaults=_defaults(32, 2048, 1e-6, 10000.0, first_k_dense_replace=0, norm_topk_prob=False,
+                       n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                       sliding_window=4096, max_window_layers=62),
+    fixed={"attention_bias": False},
+    write=_write_dots1, read=_read_dots1, fields=_SHARED_FIELDS | _WINDOW_FIELDS,
+    bias=True, fp32=_FP32,
+)  # fmt: skip
+GLM4_MOE = Family(
+    "Glm4MoeForCausalLM", "glm4_moe", "GLM-4-MoE",
+    defaults=_defaults(8, 131072, 1e-5, 10000.0, first_k_dense_replace=1, norm_topk_prob=True,
+                       n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                       use_qk_norm=False),
+    fixed={"attention_bias": False},
+    write=_write_glm4_moe, read=_read_glm4_moe,
+    # the multi-token prediction layers are not part of the causal LM (their tensors, where
+    # a checkpoint has them, are refused by name)
+    fields=_SHARED_FIELDS | {"use_qk_norm", "partial_rotary_factor",
+                             "num_nextn_predict_layers", "num_mtp_layers"},
+    bias=True, fp32=_FP32, rope_fields=("partial_rotary_factor",),
+)  # fmt: skip
+FAMILIES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DOTS1, GLM4_MOE)
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family whose model is exactly `config`'s, else a one-line TrainError naming the
+    key no family takes."""
+    moe = config.moe
+    if moe is None:
+        return QWEN3 if config.qk_norm else LLAMA
+    if moe.router == "softmax":
+        if moe.shared_experts:
+            raise TrainError(
+                f'model.moe.shared_experts = {moe.shared_experts} with router = "softmax" '
+                "is in no transformers family (Qwen2-MoE gates its shared expert with a "
+                'sigmoid, hp does not); router = "sigmoid" exports with shared experts'
+            )
+        if moe.route_scale != 1:
+            raise TrainError(
+                f'model.moe.route_scale = {moe.route_scale!r} with router = "softmax" is in '
+                "no transformers family (Mixtral and Qwen3-MoE do not scale the weights)"
+            )
+        if config.qk_norm:
+            return QWEN3_MOE
+        if not moe.renormalize:
+            raise TrainError(
+                "model.moe.renormalize = false is not Mixtral's routing (Mixtral renormalises "
+                "the top-k weights); Qwen3-MoE (norm_topk_prob false) has it, with "
+                "model.qk_norm = true"
+            )
+        if moe.first_dense_layers:
+            raise TrainError(
+                f"model.moe.first_dense_layers = {moe.first_dense_layers}: Mixtral has no "
+                "dense layers; Qwen3-MoE (mlp_only_layers) has them, with model.qk_norm = true"
+            )
+        return MIXTRAL
+    if moe.experts < 2:  # Dots1's and GLM-4-MoE's router ranks a group by its top 2
+        raise TrainError(
+            'model.moe.experts = 1 with router = "sigmoid" is in no transformers family (Dots1 '
+            "and GLM-4-MoE score each group of experts by its best two)"
+        )
+    if not moe.shared_experts:
+        raise TrainError(
+            'model.moe.shared_experts = 0 with router = "sigmoid" is in no transformers '
+            "family (Dots1 and GLM-4-MoE, DeepSeek-V3's routing with hp's attention, always "
+            "have shared experts)"
+        )
+    return DOTS1 if config.qk_norm else GLM4_MOE
+
+
+def export_family(config: ModelConfig) -> Family:
+    """`family_of`, and what an export of a trained model needs beyond its shape: under
+    softmax, a balancing bias (load_balance "bias") chose the experts, and neither Mixtral
+    nor Qwen3-MoE has one (init_from may take it: the bias starts at zero)."""
+    family = family_of(config)
+    moe = config.moe
+    if moe is not None and moe.router == "softmax" and moe.load_balance == "bias":
+        raise TrainError(
+            'model.moe.load_balance = "bias" with router = "softmax" is in no transformers '
+            f"family: the bias chose the experts, and {family.label} has none"
+        )
+    return family
+
+
+
+
+def hf_names(family: Family, config: ModelConfig, name: str, fused: bool = False) -> list[str]:
+    """hp's tensor `name` in `family`'s checkpoints: one HF name, or one per expert for hp's
+    stacked experts (in order); with `fused`, transformers 5's fused expert tensor (w1 and w3
+    both in `gate_up_proj`). Empty: the family has no such tensor (hp's balancing bias in a
+    family without one: `export_family` saw it chooses nothing)."""
+    if name in _TOP:
+        return [_TOP[name]]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match is None:
+        raise KeyError(f"no HF name for {name}")
+    layer, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if rest in _ATTENTION:
+        return [layer + _ATTENTION[rest]]
+    part = re.fullmatch(r"feed_forward\.(w[123])\.weight", rest)
+    if part:
+        return [f"{layer}mlp.{_SWIGLU[part.group(1)]}.weight"]
+    block = layer + ("mlp" if fused else family.moe_block)
+    if rest == "feed_forward.router.gate.weight":
+        return [f"{block}.gate.weight"]
+    if rest == "feed_forward.router.expert_bias":
+        return [f"{block}.gate.e_score_correction_bias"] if family.bias else []
+    part = re.fullmatch(r"feed_forward\.shared\.(w[123])\.weight", rest)
+    if part:
+        return [f"{block}.shared_experts.{_SWIGLU[part.group(1)]}.weight"]
+    part = re.fullmatch(r"feed_forward\.experts\.(w[123])", rest)
+    if part and config.moe is not None:
+        if fused:
+            return [f"{block}.experts.{'down_proj' if part.group(1) == 'w2' else 'gate_up_proj'}"]
+        local = family.expert_parts[("w1", "w3", "w2").index(part.group(1))]
+        return [f"{block}.experts.{e}.{local}.weight" for e in range(config.moe.experts)]
+    raise KeyError(f"no HF name for {name}")
+
+
+def is_fused(names: Collection[str], name: str) -> bool:
+    """Whether hp's `name` is in a layer whose experts `names` (an HF checkpoint's) hold
+    fused, as transformers 5's models do."""
+    match = re.match(r"layers\.(\d+)\.feed_forward\.", name)
+    if match is None:
+        return False
+    block = f"model.layers.{match.group(1)}.mlp.experts"
+    return f"{block}.gate_up_proj" in names or f"{block}.down_proj" in names
+
+
+# An HF rope dict's llama3 fields, and the RopeScaling field each sets.
+_HF_SCALING = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_seq_len",
+}
+
+
+def _hf_rope(config: ModelConfig) -> dict[str, Any]:
+    """The rotary fields of config.json: rope_theta and rope_scaling, which transformers 4
+    reads, and rope_parameters, which 5 reads (both as Meta's Llama 3.1 configs spell them)."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {
+            "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        }
+    rope = {"rope_type": "llama3", **{hf: getattr(scaling, hp) for hf, hp in _HF_SCALING.items()}}
+    return {
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope,
+        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
+    }
+
+
+def config_json(config: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The config.json of `config`'s model in its family (`export_family`)."""
+    family = export_family(config)
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_size,
+        "max_position_embeddings": config.max_seq_len,
+        **_hf_rope(config),
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        **family.write(config),
+        "initializer_range": config.init_std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+# config.json's shape fields in every family: the ModelConfig field each sets, and the
+# default when absent: the family's where it has one (transformers' for its config class),
+# else this (num_key_value_heads: num_attention_heads, as LlamaConfig has it).
+_SHAPE: dict[str, tuple[str, Any]] = {
+    "vocab_size": ("vocab_size", _REQUIRED),
+    "hidden_size": ("dim", _REQUIRED),
+    "num_hidden_layers": ("n_layers", _REQUIRED),
+    "num_attention_heads": ("n_heads", _REQUIRED),
+    "num_key_value_heads": ("n_kv_heads", None),
+    "max_position_embeddings": ("max_seq_len", _REQUIRED),
+    "rms_norm_eps": ("norm_eps", _REQUIRED),
+    "tie_word_embeddings": ("tie_embeddings", False),
+}
+# Fields that change the model in every family: hp implements transformers' default only.
+_FIXED: dict[str, Any] = {
+    "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "is_encoder_decoder": False,
+    "is_decoder": False,
+    "add_cross_attention": False,
+    "tie_encoder_decoder": False,
+    "cross_attention_hidden_size": None,
+    "chunk_size_feed_forward": 0,
+    "pruned_heads": {},
+}
+# Bookkeeping transformers writes (names, token ids, generation and output defaults, the MoE
+# families' training loss over the router's logits): the weights and the forward pass do not
+# depend on them, so any value is accepted.
+_BOOKKEEPING = frozenset(
+    """transformers_version _name_or_path torch_dtype dtype bos_token_id eos_token_id
+    pad_token_id sep_token_id decoder_start_token_id initializer_range use_cache
+    output_hidden_states output_attentions return_dict id2label label2id problem_type
+    tokenizer_class prefix task_specific_params finetuning_task torchscript use_bfloat16
+    tf_legacy_loss max_length min_length do_sample early_stopping num_beams num_beam_groups
+    diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
+    no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
+    output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens
+    begin_suppress_tokens output_router_logits router_aux_loss_coef""".split()
+)
+_KNOWN = {
+    *_SHAPE, *_FIXED, *_BOOKKEEPING,
+    "rope_theta", "rope_parameters", "rope_scaling", "head_dim", "architectures", "model_type",
+}  # fmt: skip
+# hp's MoE fields a config.json describes (the others are how it trains: load_balance, ...).
+MOE_SHAPE = (
+    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "router", "renormalize",
+    "route_scale", "first_dense_layers",
+)  # fmt: skip
+
+
+def _scaling(path: str, key: str, rope: dict[str, Any]) -> RopeScaling:
+    """A `rope_type: "llama3"` dict as RopeScaling, every field given and checked."""
+    values = {}
+    for name, field in _HF_SCALING.items():
+        if name not in rope:
+            raise TrainError(
+                f'{path}: {key}.{name} is missing; rope_type "llama3" gives '
+                f"{', '.join(_HF_SCALING)}"
+            )
+        value = rope[name]  # JSON's 8 is the float 8.0 transformers reads
+        numeric = type(value) is int and field != "original_max_seq_len"
+        values[field] = float(value) if numeric else value
+    try:
+        return RopeScaling(type="llama3", **values)
+    except FieldError as exc:
+        name = {hp: hf for hf, hp in _HF_SCALING.items()}[exc.field]
+        raise TrainError(f"{path}: {key}.{name}={_json(exc.value)} {exc.problem}") from None
+
+
+def _rope(path: str, hf: dict[str, Any], family: Family) -> tuple[float, RopeScaling | None]:
+    """The rotary theta and scaling: rope_parameters (transformers 5) and rope_scaling (4) may
+    each say "default" (plain rotary) or "llama3" (Llama 3.1's scaling), with a theta; where
+    several give the theta or the scaling, they must agree."""
+    thetas = {}
+    if "rope_theta" in hf:
+        thetas["rope_theta"] = hf["rope_theta"]
+    scalings: dict[str, RopeScaling | None] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise TrainError(f"{path}: {key}={_json(rope)} must be an object with a rope_type")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if "type" in rope and rope["type"] != kind:  # transformers' older name of rope_type
+            raise TrainError(f"{path}: {key}.type and {key}.rope_type disagree")
+        if kind not in ("default", "llama3"):
+            raise TrainError(
+                f'{path}: {key}.rope_type={_json(kind)} is not supported; hp implements "default" '
+                'and "llama3"'
+            )
+        takes = ["rope_type", "rope_theta", *(_HF_SCALING if kind == "llama3" else ())]
+        for field in rope:
+            if field not in (*takes, *family.rope_fields, "type"):
+                raise TrainError(
+                    f"{path}: {key}.{field}={_json(rope[field])} is not supported (rope_type "
+                    f"{_json(kind)} takes {', '.join(takes)})"
+                )
+        if "rope_theta" in rope:
+            thetas[f"{key}.rope_theta"] = rope["rope_theta"]
+        scalings[key] = _scaling(path, key, rope) if kind == "llama3" else None
+    for key, value in thetas.items():
+        _positive(path, key, value, float)
+    if len(set(thetas.values())) > 1:
+        given = ", ".join(f"{k}={_json(v)}" for k, v in thetas.items())
+        raise TrainError(f"{path}: {given} disagree; give one rotary theta")
+    if len(set(scalings.values())) > 1:
+        raise TrainError(f"{path}: rope_parameters and rope_scaling disagree; give one scaling")
+    theta = next(iter(thetas.values()), family.defaults["rope_theta"])
+    return float(theta), next(iter(scalings.values()), None)
+
+
+def _family_in(path: str, hf: dict[str, Any]) -> Family:
+    """The family config.json names by model_type (else by architectures; neither: Llama)."""
+    kind, architectures = hf.get("model_type"), hf.get("architectures")
+    if kind is None:
+        named = [f for f in FAMILIES if architectures == [f.architecture]]
+        family = named[0] if named else LLAMA
+    else:
+        by_type = {f.model_type: f for f in FAMILIES}
+        if kind not in by_type:
+            raise TrainError(
+                f"{path}: model_type={_json(kind)} is not supported; hp reads "
+                f"{', '.join(_json(f.model_type) for f in FAMILIES)}"
+            )
+        family = by_type[kind]
+    if architectures is not None and architectures != [family.architecture]:
+        raise TrainError(
+            f"{path}: architectures={_json(architectures)}; hp loads {family.architecture}"
+        )
+    return family
+
+
+def read_config(path: str, hf: Any) -> tuple[Family, dict[str, Any]]:
+    """The family and the `ModelConfig` fields of `hf`, an HF `config.json` (read from
+    `path`). Every field must be one hp implements (or bookkeeping): anything else would
+    load a model hp computes differently, so it is refused by name."""
+    if not isinstance(hf, dict):
+        raise TrainError(f"{path}: not a JSON object (an HF config.json?)")
+    family = _family_in(path, hf)
+    label = family.label
+    for key in hf:
+        if key not in _KNOWN and key not in family.fixed and key not in family.fields:
+            raise TrainError(
+                f"{path}: {key} is not a field hp's {label} implements; hp loads plain "
+                f"{label} models only"
+            )
+    for key, default in {**_FIXED, **family.fixed}.items():
+        if key in hf and not _same(hf[key], default):
+            raise TrainError(
+                f"{path}: {key}={_json(hf[key])} is not supported; hp's {label} has "
+                f"{key}={_json(default)} only"
+            )
+    fields: dict[str, Any] = {}
+    for key, (field, default) in _SHAPE.items():
+        value = hf.get(key)
+        if value is None:
+            default = family.defaults.get(key, default)
+            if default is _REQUIRED:
+                raise TrainError(f"{path}: {key} is missing; an HF {label} config.json gives it")
+            value = fields["n_heads"] if default is None else default
+        if field == "tie_embeddings":
+            if not isinstance(value, bool):
+                raise TrainError(f"{path}: {key}={_json(value)} must be true or false")
+        else:
+            _positive(path, key, value, float if field == "norm_eps" else int)
+        fields[field] = value
+    fields["rope_theta"], fields["rope_scaling"] = _rope(path, hf, family)
+    for whole, part in (("num_attention_heads", "num_key_value_heads"),):
+        dividend, divisor = fields[_SHAPE[whole][0]], fields[_SHAPE[part][0]]
+        if dividend % divisor:
+            raise TrainError(f"{path}: {whole}={dividend} is not a multiple of {part}={divisor}")
+    fields.update({"qk_norm": False, "moe": None, **family.read(path, hf, family)})
+    # A head's width is its own field (Qwen3's is not hidden_size / num_attention_heads);
+    # absent, the family's transformers default, else hidden_size / num_attention_heads.
+    head_dim = hf.get("head_dim", family.defaults.get("head_dim"))
+    if head_dim is not None:
+        head_dim = _positive(path, "head_dim", head_dim, int)
+        dim, heads = fields["dim"], fields["n_heads"]
+        if dim % heads or head_dim != dim // heads:  # else derived, as hp's own configs
+            fields["head_dim"] = head_dim
+    try:
+        ModelConfig(**fields)
+    except ValueError as exc:
+        raise TrainError(f"{path}: {exc}") from None
+    return family, fields
