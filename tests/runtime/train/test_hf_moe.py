@@ -331,13 +331,11 @@ def test_a_config_json_without_defaults_reads_as_transformers_reads_it(hf_dirs, 
         bare["partial_rotary_factor"] = 1.0
     cls = getattr(transformers, HF[family][0])
     reference = cls(**{k: v for k, v in bare.items() if k != "model_type"})
-    if family == "qwen3":  # Qwen3's head_dim defaults to 128, not hidden / heads
-        from hp_runtime.train.launch import TrainError
-
-        with pytest.raises(TrainError, match=r"head_dim=128 \(transformers' Qwen3 default"):
-            _read(tmp_path, bare)
-        bare["head_dim"] = 8
     fields = _read(tmp_path, bare)
+    # Qwen3's head_dim defaults to 128, not hidden / heads: hp reads it as its own field.
+    head_dim = getattr(reference, "head_dim", None)
+    heads, dim = fields["n_heads"], fields["dim"]
+    assert fields.get("head_dim") == (None if head_dim in (None, dim // heads) else head_dim)
     assert fields["max_seq_len"] == reference.max_position_embeddings
     assert fields["norm_eps"] == reference.rms_norm_eps
     assert fields["rope_theta"] == reference.rope_parameters["rope_theta"]

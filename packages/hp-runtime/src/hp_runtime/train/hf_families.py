@@ -533,8 +533,6 @@ def export_family(config: ModelConfig) -> Family:
     return family
 
 
-
-
 def hf_names(family: Family, config: ModelConfig, name: str, fused: bool = False) -> list[str]:
     """hp's tensor `name` in `family`'s checkpoints: one HF name, or one per expert for hp's
     stacked experts (in order); with `fused`, transformers 5's fused expert tensor (w1 and w3
