@@ -163,6 +163,6 @@ class MoE(nn.Module):
             out = AddAuxLoss.apply(out, aux, self.aux_scale)
             if not _recomputing():
                 self.aux_total += aux.detach()
-        if not _recomputing():
+        if self.training and not _recomputing():  # an evaluation's tokens are no step's load
             self.load += counts.to(self.load.dtype)
         return out.view(shape).to(x.dtype)
