@@ -751,7 +751,13 @@ def check(config: Config) -> None:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
     model = config.model
     if model.num_params() > MAX_PARAMS:
-        experts = "" if model.moe is None else f", moe.experts={model.moe.experts}"
+        moe = model.moe
+        experts = (
+            ""
+            if moe is None
+            else f", moe.experts={moe.experts}, moe.expert_ffn_hidden={moe.expert_ffn_hidden}, "
+            f"moe.shared_experts={moe.shared_experts}"
+        )
         raise ConfigError(
             f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}"
