@@ -158,6 +158,27 @@ def _reference(case: str, skipped: list[int]) -> dict[str, Any]:
     return out
 
 
+def _check_drawn(run: Any, logged: list[dict[str, Any]]) -> None:
+    """TensorBoard holds the records' MoE scalars (each layer's under its index in the
+    model), and metrics.png has the MoE row: 3 rows of 350 pixels, not 2."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = {
+        "moe_aux_loss": [r["moe_aux_loss"] for r in logged],
+        "moe_load_max_over_mean_worst": [r["moe_load_max_over_mean_worst"] for r in logged],
+        "moe_load_max_over_mean/layer_0": [r["moe_load_max_over_mean"][0] for r in logged],
+        "moe_load_max_over_mean/layer_1": [r["moe_load_max_over_mean"][1] for r in logged],
+    }
+    for tag, values in tags.items():
+        scalars = events.Scalars(tag)
+        assert [e.step for e in scalars] == [r["step"] for r in logged]
+        np.testing.assert_allclose([e.value for e in scalars], values, rtol=1e-6)
+    png = (run / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[20:24], "big") == 3 * 350
+
+
 def _active_flops(config: Any) -> tuple[int, int, int]:
     """(parameters, active parameters, training FLOPs per token), from the model's shapes: a
     token uses top_k of each MoE layer's experts; FLOPs are 6 x the active parameters beside
@@ -180,7 +201,8 @@ def _active_flops(config: Any) -> tuple[int, int, int]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_moe_run_equals_a_plain_loop(tmp_path, case):
     run = tmp_path / "run"
-    got = run_ranks(_train, 1, _overrides(case, run))[0]
+    drawn = ["metrics.tensorboard=true", "metrics.plot=true"] if case == "aux_loss" else []
+    got = run_ranks(_train, 1, [*_overrides(case, run), *drawn])[0]
     if case == "bias-skipping":
         assert 0 < len(got["skipped"]) < STEPS - 1, got["skipped"]
     else:
@@ -196,6 +218,7 @@ def test_a_moe_run_equals_a_plain_loop(tmp_path, case):
     assert worst == [max(r) for r in ratios]
     if case == "aux_loss":
         np.testing.assert_allclose([r["moe_aux_loss"] for r in logged], want["aux"], rtol=1e-5)
+        _check_drawn(run, logged)
     else:
         assert not any("moe_aux_loss" in r for r in logged)  # no auxiliary loss to report
         assert set(got["biases"]) == set(want["biases"])
