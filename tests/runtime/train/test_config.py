@@ -152,10 +152,14 @@ def test_bad_files_are_one_line(tmp_path):
     assert "train.step: unknown key; did you mean train.steps?" in _error(path=str(wrong))
 
 
-@pytest.mark.parametrize("name", ["train_tiny.toml", "train_8b.toml"])
+@pytest.mark.parametrize("name", ["train_tiny.toml", "train_8b.toml", "train_moe.toml"])
 def test_shipped_examples_load(repo, name):
     config = load_config(str(repo / "examples" / name))
     assert config.train.steps > 0
+    world = config.parallel.world_size
+    checked_plan(config, Runtime(0, world, 0, world, torch.device("cpu")))
+    if name == "train_moe.toml":
+        assert config.model.moe is not None and config.model.moe.experts > config.model.moe.top_k
 
 
 # --- every key's range, and configs drawn at random --------------------------------------------
@@ -168,10 +172,18 @@ def _numeric(kind) -> bool:
 
 
 def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
+    from hp_runtime.model.config import MoEConfig
+    from hp_runtime.train.config import key_fields
+
     numeric = {
         f"{s}.{k}" for s, names in KEYS.items() for k, kind in names.items() if _numeric(kind)
     }
+    hints = typing.get_type_hints(MoEConfig)  # model.moe's fields are ranged as keys are
+    numeric |= {f"model.moe.{f.name}" for f in key_fields(MoEConfig) if _numeric(hints[f.name])}
     assert numeric == set(RANGES)
+    defaults = MoEConfig(experts=1, top_k=1, expert_ffn_hidden=1)
+    for key in (k for k in RANGES if k.startswith("model.moe.")):
+        assert getattr(defaults, key.split(".")[2]) in RANGES[key], key
     load_config(None, [*BASE, *(f"model.preset={name}" for name in PRESETS)])  # presets in range
 
 
@@ -502,3 +514,114 @@ def test_a_sequence_length_the_library_refuses_is_refused_by_its_key(length):
         assert message.startswith(f"data.seq_length={length} is longer than model.max_seq_len")
     else:
         assert message.startswith("data.seq_length: must be from 2"), message
+
+
+# --- a MoE model's keys ------------------------------------------------------------------------
+
+MOE = {"experts": "4", "top_k": "2", "expert_ffn_hidden": "32"}
+
+
+def _moe(**fields: str) -> str:
+    """A `model.moe=` override: the table MOE with `fields` (TOML literals) replaced."""
+    table = {**MOE, **fields}
+    return "model.moe={" + ", ".join(f"{k} = {v}" for k, v in table.items()) + "}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([_moe(top_k="8")], "model.moe.top_k: is more than experts=4, got 8"),
+        ([_moe(router='"topk"')], "model.moe.router: expected one of 'softmax', 'sigmoid'"),
+        ([_moe(load_balance='"loss"')], "model.moe.load_balance: expected one of 'aux_loss'"),
+        ([_moe(expert='3')], "model.moe.expert: unknown field; did you mean model.moe.experts?"),
+        ([_moe(expert_hidden='3')], "did you mean model.moe.expert_ffn_hidden?"),
+        (["model.moe=8"], "model.moe: expected a table {experts, top_k, expert_ffn_hidden,"),
+        (['model.moe="softmax"'], "model.moe: expected a table {experts"),
+        (["model.moe={experts = 4}"], "model.moe.top_k: required; model.moe needs experts, "
+                                      "top_k, expert_ffn_hidden (the other fields have defaults)"),
+        (["model.moe.top_k=4"], "model.moe.top_k: model.moe is a table, set whole: "
+                                "model.moe={top_k = 4, ...}, or a [model.moe] table"),
+        ([_moe(experts="0")], "model.moe.experts: must be from 1 to 2**31 - 1, got 0"),
+        ([_moe(experts="4.0")], "model.moe.experts: expected an integer, got 4.0 (float)"),
+        ([_moe(shared_experts="-1")], "model.moe.shared_experts: must be from 0 to 2**31 - 1"),
+        ([_moe(route_scale="0")], "model.moe.route_scale: must be more than 0, got 0.0"),
+        ([_moe(route_scale="nan")], "model.moe.route_scale: expected a number, got nan"),
+        ([_moe(aux_loss_coef="-0.1")], "model.moe.aux_loss_coef: must be at least 0, got -0.1"),
+        ([_moe(bias_update_rate='"fast"')], "model.moe.bias_update_rate: expected a number"),
+        ([_moe(renormalize="1")], "model.moe.renormalize: expected true or false, got 1"),
+        ([_moe(first_dense_layers="2")], "model.moe.first_dense_layers=2 leaves no MoE layer of "
+                                         "model.n_layers=2"),
+        ([_moe(expert_ffn_hidden="2147483647")], "parameters (model.dim=64, n_layers=2, "
+         "ffn_hidden=172, vocab_size=256, moe.experts=4, moe.expert_ffn_hidden=2147483647"),
+        (["parallel.ep=0"], "parallel.ep: must be from 1 to 2**31 - 1, got 0"),
+        (["parallel.ep=two"], "parallel.ep: expected an integer, got 'two'"),
+        (["parallel.ep=2", "parallel.dp_shard=2"],
+         "parallel.ep=2 needs a MoE model: set model.moe"),
+        ([_moe(experts="6"), "parallel.ep=4", "parallel.dp_shard=4"],
+         "model.moe.experts=6 is not divisible by parallel.ep=4"),
+        ([_moe(), "parallel.ep=2"], "parallel.ep=2 does not divide parallel.dp_shard=1: expert "
+                                    "parallelism splits the sharded data-parallel ranks"),
+        ([_moe(), "parallel.ep=2", "parallel.dp_shard=3"], "parallel.ep=2 does not divide "
+                                                           "parallel.dp_shard=3"),
+        ([_moe(), "parallel.cp=2"], "model.moe with parallel.cp=2 is not supported yet"),
+    ],
+)  # fmt: skip
+def test_bad_moe_values_name_the_key(overrides, message):
+    assert message in _error(*overrides)
+
+
+def test_moe_keys_read_from_a_file_and_back(tmp_path):
+    path = tmp_path / "moe.toml"
+    path.write_text(
+        "[model]\nn_layers = 3\n[model.moe]\nexperts = 8\ntop_k = 2\nexpert_ffn_hidden = 16\n"
+        'router = "sigmoid"\nload_balance = "bias"\nfirst_dense_layers = 1\n'
+        "[parallel]\ndp_shard = 4\nep = 2\n"
+    )
+    config = load_config(str(path), BASE)
+    moe = config.model.moe
+    assert (moe.experts, moe.router, moe.load_balance, moe.first_dense_layers) == (
+        8, "sigmoid", "bias", 1
+    )  # fmt: skip
+    assert config.parallel.ep == 2 and moe.aux_loss_coef == 0.01  # the defaults fill the rest
+    assert build_config(tomllib.loads(to_toml(config))) == config
+    assert load_config(str(path), [*BASE, "model.moe=none", "parallel.ep=1"]).model.moe is None
+
+
+def test_moe_layouts_are_checked_against_the_world_size():
+    config = load_config(None, [*BASE, _moe(), "parallel.dp_shard=4", "parallel.ep=2"])
+    checked_plan(config, Runtime(0, 4, 0, 4, torch.device("cpu")))  # dp_shard 4 = 2 x ep 2
+    with pytest.raises(ConfigError) as info:
+        checked_plan(config, Runtime(0, 8, 0, 8, torch.device("cpu")))
+    message = str(info.value)
+    assert message.startswith("parallel: dp_replicate*dp_shard*cp*tp*pp = 1*4*1*1*1 = 4, but")
+    assert "the world size is 8" in message and "parallel.ep adds no ranks" in message
+
+
+MOE_VALUES = ["0", "-1", "1", "3", "1.5", '"x"', '""', "true", "nan", "inf", "-inf", "[1]",
+              "{a = 1}", str(2**31), str(2**63 - 1), "1e300", '"softmax"', '"bias"',
+              "1e-320"]  # fmt: skip
+
+
+def test_every_moe_field_with_every_odd_value():
+    """Each model.moe field alone set to a wrong type, out of range, an odd name, a table:
+    it loads and passes the layout check, or one ConfigError line names the field."""
+    from hp_runtime.model.config import MoEConfig
+    from hp_runtime.train.config import key_fields
+
+    for name in (f.name for f in key_fields(MoEConfig)):
+        for value in MOE_VALUES:
+            message = _load_and_check([*BASE, _moe(**{name: value})])
+            if message is not None:
+                named = f"model.moe.{name}" in message or f"{name}=" in message
+                assert named, (name, value, message)
+
+
+def test_a_bad_moe_key_through_the_installed_command_is_one_line(tmp_path):
+    from tests.helpers.train import hp_train
+
+    done = hp_train(*BASE, _moe(router='"top"'), f"train.run_dir={tmp_path}/run")
+    assert done.returncode == 2  # a config error, as a usage error
+    assert done.stderr.strip() == (
+        "hp-train: error: model.moe.router: expected one of 'softmax', 'sigmoid', got 'top'"
+    )
+    assert not (tmp_path / "run").exists()

@@ -310,6 +310,7 @@ class MoE(nn.Module):
             out = AddAuxLoss.apply(out, aux, self.aux_scale)
             if not _recomputing():
                 self.aux_total.add_(aux.detach())
-        if graph and not _recomputing():
+        # An evaluation's tokens (eval mode, or no graph) are no step's load.
+        if self.training and graph and not _recomputing():
             self.load.add_(counts.to(self.load.dtype))
         return out.view(shape).to(x.dtype)

@@ -45,6 +45,9 @@ class Balance:
         self.micro_batches = micro_batches
         for _, moe in self.layers:
             moe.aux_scale.fill_(moe.moe.aux_loss_coef / micro_batches)
+            # What ran since the last step (an evaluation, a stray forward) is not this step's.
+            moe.load.zero_()
+            moe.aux_total.zero_()
 
     def finish_step(self) -> torch.Tensor:
         """After the step's backward: sum the loads over the data-parallel ranks and zero

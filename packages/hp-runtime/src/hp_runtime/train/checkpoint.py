@@ -68,6 +68,10 @@ DATA_KEYS = ("type", "path", "valid_path", "split", "seed", "seq_length")
 # Fields that change nothing a checkpoint holds, so a resume may change them: the init, and
 # the attention kernel (every one computes the same rule; a GPU run's `flex` resumes on CPU).
 INIT_ONLY = {"init_std", "attention"}
+# model.moe's fields a resume may change: the balancing's rates (the bias the checkpoint holds
+# goes on from where it is); every other field shapes or routes the model.
+MOE_MAY_CHANGE = {"aux_loss_coef", "bias_update_rate"}
+TABLES = ("rope_scaling", "moe")  # the model's table keys, compared as config.toml writes them
 
 
 class CheckpointError(TrainError):
@@ -244,23 +248,40 @@ def checked_metadata(path: str, meta: dict[str, Any]) -> Any:
 def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read: the resolved model
     config first (every field that shapes or means something), naming what differs."""
-    keys = [item.name for item in fields(ModelConfig) if item.name not in INIT_ONLY]
-    keys.remove("rope_scaling")  # a table: compared below, as config.toml writes it
+    keys = [item.name for item in fields(ModelConfig) if item.name not in {*INIT_ONLY, *TABLES}]
     change = first_change(meta, "model", config, keys)
     if change is not None:
         key, have, saved = change[0], repr(change[1]), repr(change[2])
-    else:  # absent is none: a comment where the preset has none, or an hp before the key
-        key, then = "rope_scaling", saved_model(meta).get("rope_scaling", "none")
-        now = "none" if config.rope_scaling is None else as_table(config.rope_scaling)
-        if then == now:
+    else:
+        table = _table_change(meta, config)
+        if table is None:
             return
-        have, saved = toml_value(now), toml_value(then)
+        key, have, saved = table
     raise CheckpointError(
         f"model.{key} = {have}, but {path} was trained with {saved}: a checkpoint "
         f"resumes only the model that wrote it; set model.{key} = {saved} (or export it "
         f"and start a new train.run_dir with model.init_from)",
         fallback=False,
     )
+
+
+def _table_change(meta: dict[str, Any], config: ModelConfig) -> tuple[str, str, str] | None:
+    """The first table key that differs from the checkpoint's: (key, value now, value saved)
+    as config.toml writes them. Absent is none: a comment where the preset has none, or an hp
+    before the key."""
+    for key in TABLES:
+        then = saved_model(meta).get(key, "none")
+        value = getattr(config, key)
+        now = "none" if value is None else as_table(value)
+        free = MOE_MAY_CHANGE if key == "moe" else set()
+        if _without(then, free) != _without(now, free):
+            return key, toml_value(now), toml_value(then)
+    return None
+
+
+def _without(table: Any, names: set[str]) -> Any:
+    """A table (or "none") without the fields `names`."""
+    return {k: v for k, v in table.items() if k not in names} if isinstance(table, dict) else table
 
 
 # What the optimizer's state was built with; the schedule keys (lr, warmup, decay) may change.

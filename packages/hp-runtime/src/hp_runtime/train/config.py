@@ -252,6 +252,15 @@ RANGES: dict[str, Range] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": UP_TO_ONE,
     "model.init_std": UP_TO_ONE,
+    # model.moe's fields (a table: `MoEConfig` then checks how they relate)
+    "model.moe.experts": _ints(1),
+    "model.moe.top_k": _ints(1),
+    "model.moe.expert_ffn_hidden": _ints(1),
+    "model.moe.shared_experts": _ints(0),
+    "model.moe.route_scale": POSITIVE,
+    "model.moe.first_dense_layers": _ints(0),
+    "model.moe.aux_loss_coef": NON_NEGATIVE,
+    "model.moe.bias_update_rate": NON_NEGATIVE,
     # hp-data's GPTDataset: a sample predicts at least one token; its L + 1 tokens count in int32
     "data.seq_length": _ints(2, MAX_SEQ_LENGTH),
     "data.seed": _ints(0, SEED_MAX),
@@ -263,6 +272,7 @@ RANGES: dict[str, Range] = {
     "parallel.cp": _ints(1),
     "parallel.tp": _ints(1),
     "parallel.pp": _ints(1),
+    "parallel.ep": _ints(1),
     "parallel.pp_microbatches": _ints(1),
     "parallel.pp_virtual_stages": _ints(1),
     "parallel.ac_every": _ints(1),
@@ -439,6 +449,13 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
             )
         if section not in KEYS:
             raise _unknown(section, None)
+        table, _, field = name.partition(".")
+        if field and _table_class(KEYS[section].get(table)) is not None:
+            raise ConfigError(
+                f"{_name(key.strip())}: {section}.{table} is a table, set whole: "
+                f"{section}.{table}={{{field} = {text.strip()}, ...}}, or a [{section}.{table}] "
+                "table in the config file"
+            )
         if name not in KEYS[section]:
             raise _unknown(section, name)
         tree.setdefault(section, {})[name] = _parse_override(text.strip(), KEYS[section][name])
@@ -488,9 +505,13 @@ def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
             close = difflib.get_close_matches(name, kinds, n=1)
             hint = f"did you mean {key}.{close[0]}?" if close else f"its fields: {', '.join(kinds)}"
             raise ConfigError(f"{_name(f'{key}.{name}')}: unknown field; {hint}")
-    for f in key_fields(cls):
-        if key_of(f) not in values and f.default is dataclasses.MISSING:
-            raise ConfigError(f"{key}.{key_of(f)}: required; {key} gives all of {', '.join(kinds)}")
+    required = [key_of(f) for f in key_fields(cls) if f.default is dataclasses.MISSING]
+    for name in required:
+        if name not in values:
+            needs = f"gives all of {', '.join(kinds)}"
+            if len(required) < len(kinds):
+                needs = f"needs {', '.join(required)} (the other fields have defaults)"
+            raise ConfigError(f"{key}.{name}: required; {key} {needs}")
     typed = {name: _value(f"{key}.{name}", kinds[name], value) for name, value in values.items()}
     try:
         return cls(**{f.name: typed[key_of(f)] for f in key_fields(cls) if key_of(f) in typed})
@@ -731,15 +752,57 @@ def check(config: Config) -> None:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
     model = config.model
     if model.num_params() > MAX_PARAMS:
+        moe = model.moe
+        experts = (
+            ""
+            if moe is None
+            else f", moe.experts={moe.experts}, moe.expert_ffn_hidden={moe.expert_ffn_hidden}, "
+            f"moe.shared_experts={moe.shared_experts}"
+        )
         raise ConfigError(
             f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
-            f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}) "
-            f"is more than hp-train's {MAX_PARAMS:.3g}"
+            f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}"
+            f"{experts}) is more than hp-train's {MAX_PARAMS:.3g}"
         )
     if model.attention == "segments" and data.document_masking and config.parallel.compile:
         raise ConfigError(
             "model.attention = 'segments' reads document boundaries on the host, which a "
             "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
+        )
+    check_moe(config)
+
+
+def check_moe(config: Config) -> None:
+    """A MoE model's keys against the model and the layout (what the world size does not
+    decide; `ParallelDims.validate` checks the rest at the start)."""
+    moe, p, layers = config.model.moe, config.parallel, config.model.n_layers
+    if moe is None:
+        if p.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={p.ep} needs a MoE model: set model.moe (expert parallelism "
+                "shards the experts), or parallel.ep = 1"
+            )
+        return
+    if moe.first_dense_layers >= layers:
+        raise ConfigError(
+            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
+            f"model.n_layers={layers}: make it less than {layers}, or drop model.moe"
+        )
+    if moe.experts % p.ep:
+        raise ConfigError(
+            f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}: each "
+            "expert-parallel rank holds the same number of experts"
+        )
+    if p.dp_shard % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: expert "
+            "parallelism splits the sharded data-parallel ranks and adds none; make "
+            f"parallel.dp_shard a multiple of {p.ep}"
+        )
+    if p.cp > 1:
+        raise ConfigError(
+            f"model.moe with parallel.cp={p.cp} is not supported yet: train a MoE model with "
+            "parallel.cp = 1"
         )
 
 

@@ -113,6 +113,7 @@ class Loop:
         self.skipped_since_log: set[int] = set()
         self.step_times: deque[float] = deque(maxlen=5)  # the time limit's margin
         self.signals = StopSignals()
+        self.moe = torch.zeros(0, 3)  # the last step's MoE figures, on the device until logged
 
     def train(self) -> RunResult:
         self.metrics.mark(self.state.step)
@@ -152,13 +153,14 @@ class Loop:
             time_limit=self.near_time_limit(),
             save_failed=run.checkpointer.save_failed(),
         )
-        loss, stop = run.stepper.train_step(micro, plan.accumulation, request.encode())
+        loss, stop, self.moe = run.stepper.train_step(micro, plan.accumulation, request.encode())
         norm = run.assembly.finish_gradients(self.t.max_norm)
         values = torch.stack([loss, norm.float(), stop])
         if state.guard.enabled and self.guard(step, values):
             self.skipped_since_log.add(step)
         else:
             state.optimizer.step()
+            run.stepper.balance.update_bias()  # a skipped step moves no bias either
         state.optimizer.zero_grad(set_to_none=True)
         state.advance()
         self.settle(self.lagged.push(step, values))
@@ -201,6 +203,7 @@ class Loop:
             self.state.consumed_samples,
             self.loader.waited if self.loader is not None else 0.0,
             skipped=step in self.skipped_since_log,
+            moe=self.moe.tolist(),  # a logged step reads its values at once (a host sync)
         )
         self.skipped_since_log.clear()
         return True

@@ -2,7 +2,8 @@
 installed, and the MFU against the device's dense bf16 peak.
 
 Values come off the device one step late (`LaggedValues`), so reading them never stalls the GPU;
-a logged step, a validation or a checkpoint reads its own step at once.
+a logged step, a validation or a checkpoint reads its own step at once. A MoE model's figures
+(the auxiliary loss, the expert load) stay on the device until a logged step reads them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from statistics import fmean
 from typing import Any, TextIO
 
 import torch
@@ -132,6 +134,21 @@ class LaggedValues:
         return step, host.tolist()
 
 
+def moe_fields(figures: list[list[float]], aux_loss: bool) -> dict[str, Any]:
+    """A train record's MoE fields from a step's figures (`Stepper.train_step`: one row a MoE
+    layer, [mean auxiliary loss, max / mean tokens per expert, tokens routed]); none for a
+    dense model. The auxiliary loss only where it is the balancing (`aux_loss`)."""
+    if not figures:
+        return {}
+    ratios = [row[1] for row in figures]
+    fields: dict[str, Any] = {}
+    if aux_loss:
+        fields["moe_aux_loss"] = fmean(row[0] for row in figures)
+    fields["moe_load_max_over_mean"] = ratios
+    fields["moe_load_max_over_mean_worst"] = max(ratios)
+    return fields
+
+
 @dataclass(frozen=True)
 class Throughput:
     tokens_per_step: int
@@ -154,9 +171,12 @@ class MetricsLog:
         tensorboard: bool,
         stream: TextIO | None = None,
         started: float | None = None,
+        moe_layers: tuple[int, ...] = (),
+        moe_aux_loss: bool = False,
     ) -> None:
         self.is_main, self.device, self.steps = is_main, device, steps
         self.throughput = throughput
+        self.moe_layers, self.moe_aux_loss = moe_layers, moe_aux_loss  # the figures' rows
         self.stream = stream or sys.stdout
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8") if is_main else None  # noqa: SIM115
@@ -199,8 +219,10 @@ class MetricsLog:
         consumed_samples: int,
         data_wait_s: float,
         skipped: bool = False,
+        moe: list[list[float]] | None = None,
     ) -> dict[str, Any]:
-        """Log `step` (a collective: every rank calls it at the same steps)."""
+        """Log `step` (a collective: every rank calls it at the same steps); `moe`: the
+        step's MoE figures, one row per layer of `moe_layers`."""
         now = time.perf_counter()
         elapsed = max(now - self._mark_time, 1e-9)
         steps_done = max(step - self._mark_step, 1)
@@ -229,16 +251,18 @@ class MetricsLog:
             "elapsed_s": now - self._started,
             "eta_s": eta,
             "skipped": skipped,
+            **moe_fields(moe or [], self.moe_aux_loss),
         }
         self.write(record)
         self._scalars(step, {k: record[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
+        self._moe_scalars(step, record)
         width = len(str(self.steps))
         mfu_text = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a"
         self.say(
             f"step {step:>{width}}/{self.steps} | loss {loss:.4f} | grad {grad_norm:.3f} | "
             f"lr {lr:.3e} | {human(tokens_per_s)} tok/s ({human(per_device)}/dev) | "
             f"mfu {mfu_text} | mem {memory:.2f} GiB | data {wait_pct:.1f}% | "
-            f"eta {clock(eta)}" + (" | skipped" if skipped else "")
+            f"eta {clock(eta)}" + self._moe_text(record) + (" | skipped" if skipped else "")
         )
         self.mark(step)
         return record
@@ -248,6 +272,25 @@ class MetricsLog:
         self.write({"kind": "validation", "step": step, "val_loss": val_loss, "val_ppl": ppl})
         self._scalars(step, {"val_loss": val_loss, "val_ppl": ppl})
         self.say(f"validation at step {step} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
+
+    @staticmethod
+    def _moe_text(record: dict[str, Any]) -> str:
+        """The log line's MoE part: the auxiliary loss and the worst layer's load ratio."""
+        if "moe_load_max_over_mean_worst" not in record:
+            return ""
+        aux = f"aux {record['moe_aux_loss']:.4f} " if "moe_aux_loss" in record else ""
+        return f" | moe {aux}load {record['moe_load_max_over_mean_worst']:.2f}x"
+
+    def _moe_scalars(self, step: int, record: dict[str, Any]) -> None:
+        """TensorBoard's MoE scalars: those of the record, and each layer's ratio under the
+        layer's index in the model."""
+        values = {
+            k: record[k] for k in ("moe_aux_loss", "moe_load_max_over_mean_worst") if k in record
+        }
+        ratios = record.get("moe_load_max_over_mean", [])
+        for layer, ratio in zip(self.moe_layers, ratios, strict=True):
+            values[f"moe_load_max_over_mean/layer_{layer}"] = ratio
+        self._scalars(step, values)
 
     def _scalars(self, step: int, values: dict[str, float]) -> None:
         if self._writer is not None:

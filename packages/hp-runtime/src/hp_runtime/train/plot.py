@@ -1,6 +1,7 @@
 """`hp-train plot RUN_DIR`: loss (train and validation), learning rate, tokens/s and gradient
-norm from `RUN_DIR/metrics.jsonl`, drawn into `RUN_DIR/metrics.png` (needs matplotlib: the
-`hp-runtime[plot]` extra)."""
+norm from `RUN_DIR/metrics.jsonl`, and for a MoE model the expert load of each layer (and the
+auxiliary loss), drawn into `RUN_DIR/metrics.png` (needs matplotlib: the `hp-runtime[plot]`
+extra)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,32 @@ def _write_png(figure: Any, out: str, label: str) -> None:
         raise
 
 
+def _moe_panels(axes: Any, steps: list[Any], train: list[dict[str, Any]]) -> None:
+    """The expert load, max / mean tokens per expert, one line a MoE layer (the worst bold),
+    and beside it the auxiliary loss where the run logged one."""
+    load, aux = axes
+    ratios = [r.get("moe_load_max_over_mean") for r in train]
+    layers = max((len(r) for r in ratios if isinstance(r, list)), default=0)
+    for layer in range(layers):
+        values = [
+            _number(r[layer]) if isinstance(r, list) and layer < len(r) else math.nan
+            for r in ratios
+        ]
+        load.plot(steps, values, linewidth=0.8, alpha=0.6)
+    worst = [_number(r.get("moe_load_max_over_mean_worst")) for r in train]
+    load.plot(steps, worst, color="black", linewidth=1.6, label="worst layer")
+    load.axhline(1.0, color="gray", linestyle=":", linewidth=0.8)  # an even load
+    load.set_title("expert load: max / mean tokens per expert, each MoE layer")
+    load.legend()
+    load.grid(alpha=0.3)
+    if any("moe_aux_loss" in r for r in train):
+        aux.plot(steps, [_number(r.get("moe_aux_loss")) for r in train])
+        aux.set_title("MoE auxiliary loss (mean over layers)")
+        aux.grid(alpha=0.3)
+    else:  # bias balancing: no auxiliary loss
+        aux.set_axis_off()
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Draw the run's curves; returns the PNG's path. Only `out` (default
     RUN_DIR/metrics.png) is written, through a hidden temporary file of a unique name."""
@@ -133,7 +160,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     if not train:
         raise TrainError(f"{run_dir}/metrics.jsonl: no training steps logged yet")
     steps = [r["step"] for r in train]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    moe = any("moe_load_max_over_mean" in r for r in train)
+    rows = 3 if moe else 2
+    figure, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), sharex=True)
     panels = [
         (axes[0][0], "loss", "loss"),
         (axes[0][1], "lr", "learning rate"),
@@ -151,7 +180,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
             label="validation",
         )  # fmt: skip
     axes[0][0].legend()
-    for axis in axes[1]:
+    if moe:
+        _moe_panels(axes[2], steps, train)
+    for axis in axes[-1]:
         axis.set_xlabel("step")
     figure.suptitle(os.path.abspath(run_dir))
     figure.tight_layout()

@@ -59,8 +59,9 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
     try:
         p.validate(runtime.world_size, config.model)
     except ValueError as exc:
+        ep = "; parallel.ep adds no ranks: it splits parallel.dp_shard" if p.ep > 1 else ""
         raise ConfigError(
-            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate)"
+            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate{ep})"
         ) from None
     if p.loss_parallel and p.tp == 1:
         raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
@@ -292,11 +293,11 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         datasets.eod_token if config.data.document_masking else None,
         t.loss_chunk_tokens,
     )
-    seq = config.data.seq_length
+    seq, model = config.data.seq_length, config.model
     throughput = Throughput(
         plan.global_batch_size * seq,
         runtime.world_size,
-        config.model.flops_per_token(seq),
+        model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
         peak_tflops(runtime.device, config.metrics.peak_tflops),
     )
     metrics = MetricsLog(
@@ -308,6 +309,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         config.metrics.tensorboard,
         stream,
         started,
+        moe_layers=tuple(stepper.moe_layers),
+        moe_aux_loss=model.moe is not None and model.moe.load_balance == "aux_loss",
     )
     if resumed is not None:
         metrics.write(
@@ -319,8 +322,9 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
                 "world_size": runtime.world_size,
             }
         )
+    active = "" if model.moe is None else f" ({model.num_params(active=True):,} active a token)"
     metrics.say(
-        f"hp-train: {config.model.num_params():,} parameters | {runtime.world_size} "
+        f"hp-train: {model.num_params():,} parameters{active} | {runtime.world_size} "
         f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
         f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
         f"accumulation | {t.steps} steps | data ready in {datasets.build_seconds:.2f} s"

@@ -12,6 +12,10 @@ the device: no host sync.
 The model computes each token's cross-entropy itself, given the labels (`model/loss.py`): the
 head runs a chunk of the sequence at a time, inside the forward, so the fp32 logits of a whole
 micro-batch never exist. `TokenLoss` only sums and scales.
+
+A MoE model's balancing (`train/balance.py`) brackets the micro-batches: the auxiliary loss's
+weight before them, the global expert load after the backward. Each MoE layer's figures then
+reach every rank in the step's one all-reduce, beside the loss.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from hp_runtime.model.attention import documents_after_eod
 from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
+from hp_runtime.train.balance import Balance
 
 Batch = dict[str, torch.Tensor]
 
@@ -85,6 +90,15 @@ class Stepper:
             carry_positions(assembly.stages, assembly.total_stages, self.carried, assembly.cp)
         # Only one rank per tensor-parallel group on the last stage reports a loss.
         self.reports = assembly.has_last_stage and assembly.tp_rank == 0
+        self.balance = Balance(assembly.modules, assembly.dp_group)
+        config = assembly.modules[0].config
+        # Every MoE layer of the model, in order: the rows of the figures `train_step` returns.
+        self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+        mine = [self.moe_layers.index(layer) for layer, _ in self.balance.layers]
+        self._moe_rows = torch.tensor(mine, dtype=torch.long, device=self.device)
+        # A layer's figures are alike on its stage's data- and tensor-parallel ranks (Balance
+        # sums the load over the first): one of them adds them to the step's all-reduce.
+        self._moe_reports = assembly.dp_rank == 0 and assembly.tp_rank == 0
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
@@ -94,6 +108,18 @@ class Stepper:
             if self.loss_parallel:
                 stack.enter_context(loss_parallel())
             yield
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The MoE layers in eval mode: an evaluation neither computes the auxiliary loss nor
+        counts the expert load (a step's figures and the bias are the training tokens')."""
+        for _, moe in self.balance.layers:
+            moe.train(False)
+        try:
+            yield
+        finally:
+            for _, moe in self.balance.layers:
+                moe.train(True)
 
     def _shard(self, micro: list[Batch]) -> list[Batch]:
         """This rank's rows of each micro-batch under context parallelism (`parallel/cp.py`)."""
@@ -182,13 +208,28 @@ class Stepper:
         dist.all_reduce(value)
         return value
 
-    def train_step(self, micro: list[Batch], count: int, flag: float = 0.0) -> torch.Tensor:
+    def _moe_figures(self) -> torch.Tensor:
+        """After the backward: this rank's share of every MoE layer's figures (layers, 3),
+        zeros where another rank reports a layer (`Balance.finish_step`'s columns)."""
+        figures = torch.zeros(len(self.moe_layers), 3, device=self.device)
+        if self.balance.layers:
+            mine = self.balance.finish_step()
+            if self._moe_reports:
+                figures.index_copy_(0, self._moe_rows, mine.to(figures.dtype))
+        return figures
+
+    def train_step(
+        self, micro: list[Batch], count: int, flag: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward and backward of the global batch: this rank's `count` micro-batches
-        (`micro`, empty on a rank that reads no data). Returns [global loss, sum of every
-        rank's `flag`] (a stop request travels with the loss: no collective of its own);
-        gradients are left for `Assembly.finish_gradients`."""
+        (`micro`, empty on a rank that reads no data). Returns the global loss, the sum of
+        every rank's `flag` (a stop request travels with the loss: no collective of its own)
+        and each MoE layer's figures over the global batch, (MoE layers, 3): [mean auxiliary
+        loss, max / mean tokens per expert, tokens routed], on the device; gradients are left
+        for `Assembly.finish_gradients`, the bias for `balance.update_bias` after the update."""
         a = self.assembly
         micro = self._shard(self._documents(micro))  # documents of the whole sequence
+        self.balance.start_step(count)  # a pipeline's every stage runs `count` micro-batches
         tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
@@ -203,8 +244,11 @@ class Stepper:
                     loss = self.loss_fn(losses)
                     loss.backward()
                     local = local + loss.detach()
-        shared = torch.full((), flag, device=self.device)
-        return self._global((local / a.dp_cp_size).float(), shared)
+        shared = torch.cat(
+            [torch.full((1,), flag, device=self.device), self._moe_figures().view(-1)]
+        )
+        total = self._global((local / a.dp_cp_size).float(), shared)
+        return total[0], total[1], total[2:].view(-1, 3)
 
     @torch.no_grad()
     def eval_sums(self, micro: list[Batch], count: int) -> torch.Tensor:
@@ -214,7 +258,7 @@ class Stepper:
         micro = self._shard(self._documents(micro))  # documents of the whole sequence
         self.loss_fn.scale = torch.ones((), device=self.device)
         zero = torch.zeros((), device=self.device)
-        with self._context():
+        with self._context(), self._eval_mode():
             if a.schedule is not None:
                 summed = self._pipeline(micro, count, backward=False)
             else:
