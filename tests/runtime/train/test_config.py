@@ -549,8 +549,8 @@ def _moe(**fields: str) -> str:
         ([_moe(aux_loss_coef="-0.1")], "model.moe.aux_loss_coef: must be at least 0, got -0.1"),
         ([_moe(bias_update_rate='"fast"')], "model.moe.bias_update_rate: expected a number"),
         ([_moe(renormalize="1")], "model.moe.renormalize: expected true or false, got 1"),
-        ([_moe(first_dense_layers="2")], "model.moe.first_dense_layers=2 leaves no MoE layer of "
-                                         "model.n_layers=2"),
+        ([_moe(first_dense_layers="2")], "model: moe.first_dense_layers=2 leaves no MoE layer "
+                                         "of n_layers=2"),
         ([_moe(expert_ffn_hidden="2147483647")], "parameters (model.dim=64, n_layers=2, "
          "ffn_hidden=172, vocab_size=256, moe.experts=4, moe.expert_ffn_hidden=2147483647"),
         (["parallel.ep=0"], "parallel.ep: must be from 1 to 2**31 - 1, got 0"),

@@ -775,7 +775,7 @@ def check(config: Config) -> None:
 def check_moe(config: Config) -> None:
     """A MoE model's keys against the model and the layout (what the world size does not
     decide; `ParallelDims.validate` checks the rest at the start)."""
-    moe, p, layers = config.model.moe, config.parallel, config.model.n_layers
+    moe, p = config.model.moe, config.parallel
     if moe is None:
         if p.ep > 1:
             raise ConfigError(
@@ -783,11 +783,6 @@ def check_moe(config: Config) -> None:
                 "shards the experts), or parallel.ep = 1"
             )
         return
-    if moe.first_dense_layers >= layers:
-        raise ConfigError(
-            f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of "
-            f"model.n_layers={layers}: make it less than {layers}, or drop model.moe"
-        )
     if moe.experts % p.ep:
         raise ConfigError(
             f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}: each "
