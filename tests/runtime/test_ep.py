@@ -15,7 +15,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
+from hp_runtime.model import Transformer, preset
 from hp_runtime.model.config import MoEConfig
+from hp_runtime.parallel import init_weights
+from hp_runtime.parallel.ac import apply_ac
 
 from tests.helpers.distributed import run_ranks
 from tests.runtime.parity import BATCH, train
@@ -62,7 +66,12 @@ LAYOUTS = {
     "ep2xpp2": (4, {"dp_shard": 2, "ep": 2, "pp": 2}, SOFTMAX_AUX, PP),
     "ep2xpp2-sigmoid-aux": (4, {"dp_shard": 2, "ep": 2, "pp": 2}, SIGMOID_AUX, PP),
     "dp_shard2xep2xtp2": (4, {"dp_shard": 2, "ep": 2, "tp": 2}, SOFTMAX_BIAS, None),
-    "hsdp2x2xep2": (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, SOFTMAX_BIAS, None),
+    "hsdp2x2xep2-ac": (
+        4,
+        {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        SOFTMAX_BIAS,
+        {"ac": "full"},  # the dispatch again in the recompute; the bias initialised under it
+    ),
 }
 
 _single: dict[str, dict] = {}
@@ -127,6 +136,23 @@ def test_expert_parallel_layout_matches_one_process(layout):
     reference = single("sgd", moe, micro_batches(moe, dims, pipeline))
     _compare_moe(results, reference)
     _check_sharded(results, reference, dims, moe)
+
+
+def test_the_balancing_bias_starts_even_under_activation_checkpointing():
+    """`init_weights` fills the buffers that are state by canonical name: the activation
+    checkpointing wrapper is in the names `named_buffers` gives, not in the state dict's."""
+    config = preset("tiny", moe=SOFTMAX_BIAS)
+    with torch.device("meta"):
+        model = Transformer(config)
+    apply_ac(model)
+    model.to_empty(device="cpu")
+    biases = [b for name, b in model.named_buffers() if name.endswith("expert_bias")]
+    assert len(biases) == config.n_layers
+    for bias in biases:
+        bias.fill_(float("nan"))  # what `to_empty` may leave
+    init_weights(model, seed=0)
+    for bias in biases:
+        assert torch.equal(bias, torch.zeros(EXPERTS))
 
 
 @pytest.mark.slow

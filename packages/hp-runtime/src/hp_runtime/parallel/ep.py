@@ -32,10 +32,6 @@ from hp_runtime.model.moe import ExpertKernel, Experts
 EXPERT_PARAMS = ("w1", "w2", "w3")  # `Experts`' stacked weights, experts along dim 0
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class ExpertDispatch:
     """`Experts.kernel` under expert parallelism: the wrapped kernel on this rank's experts and
     the rows every rank of `mesh` (the 1-D "ep" mesh) routed to them."""
@@ -56,11 +52,11 @@ class ExpertDispatch:
         self,
         x: torch.Tensor,
         counts: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        w3: torch.Tensor,
+        w1: DTensor,
+        w2: DTensor,
+        w3: DTensor,
     ) -> torch.Tensor:
-        weights = [_local(w) for w in (w1, w2, w3)]
+        weights = [w.to_local() for w in (w1, w2, w3)]  # DTensors: `apply_ep` made them
         size, local = self.size, weights[0].shape[0]
         # received[s, l]: the rows rank s sends this rank's expert l.
         received = funcol.all_to_all_single(counts, None, None, self.mesh).view(size, local)
@@ -83,11 +79,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
         if not isinstance(module, Experts):
             continue
         for name in EXPERT_PARAMS:
-            param = getattr(module, name)
-            if param.shape[0] % mesh.size():
-                raise ValueError(
-                    f"{param.shape[0]} experts do not divide over ep={mesh.size()} ranks"
-                )
+            param = getattr(module, name)  # experts % ep: ParallelDims.validate
             sharded = distribute_tensor(param.data, mesh, [Shard(0)])
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
         module.kernel = ExpertDispatch(module.kernel, mesh)
