@@ -18,7 +18,7 @@ import pytest
 import torch
 from hp_runtime.model import Transformer, preset
 from hp_runtime.model.config import MoEConfig
-from hp_runtime.parallel import init_weights
+from hp_runtime.parallel import ParallelDims, init_weights
 from hp_runtime.parallel.ac import apply_ac
 
 from tests.helpers.distributed import run_ranks
@@ -136,6 +136,23 @@ def test_expert_parallel_layout_matches_one_process(layout):
     reference = single("sgd", moe, micro_batches(moe, dims, pipeline))
     _compare_moe(results, reference)
     _check_sharded(results, reference, dims, moe)
+
+
+@pytest.mark.parametrize(
+    ("dims", "moe", "named"),
+    [
+        ({"dp_shard": 2, "ep": 0}, SOFTMAX_AUX, "ep=0"),
+        ({"dp_shard": 2, "ep": 4}, SOFTMAX_AUX, "ep=4 does not divide dp_shard=2"),
+        ({"dp_shard": 3, "ep": 3}, SOFTMAX_AUX, "moe.experts=8 is not divisible by ep=3"),
+        ({"dp_shard": 2, "ep": 2}, None, "ep=2 needs a MoE model"),
+        ({"dp_shard": 2, "ep": 2, "cp": 2}, SOFTMAX_AUX, "cp=2 with a MoE model"),
+    ],
+)
+def test_a_layout_expert_parallelism_cannot_run_is_refused(dims, moe, named):
+    layout = ParallelDims(**dims)
+    world = layout.world_size
+    with pytest.raises(ValueError, match=named):
+        layout.validate(world, preset("tiny", moe=moe))
 
 
 def test_the_balancing_bias_starts_even_under_activation_checkpointing():

@@ -10,12 +10,12 @@ dispatch and combine around the local computation:
 2. the rows, grouped by expert (so by owning rank), go to their experts' ranks in one
    `all_to_all_single` with those variable splits: a rank receives them as
    [source rank][local expert], and regroups them to [local expert][source rank];
-3. the wrapped kernel runs on the local experts' weights, and steps 2 and 1 run backwards:
-   the outputs go back to the ranks, in the order they came from.
+3. the wrapped kernel runs on the local experts' weights; its outputs are put back in the
+   order they arrived in and go back to their ranks in the reverse `all_to_all_single`.
 
-Nothing is padded or dropped, so the result is one process's. Both all_to_alls are
-differentiable: the backward sends the rows' gradients back the same way, and the expert
-weights' gradients sum over every rank's tokens (FSDP then averages them like the dense ones,
+Nothing is padded or dropped, so the result is one process's. The rows' two exchanges are
+differentiable: the backward sends the gradients back the same way, and the expert weights'
+gradients sum over every rank's tokens (FSDP then averages them like the dense ones,
 `fsdp.py`).
 """
 

@@ -105,12 +105,10 @@ class ParallelDims:
         every rank builds it at the same point, and keeps it (FSDP and the expert weights'
         DTensors refer to it)."""
         self.validate(world_size)
-        shape = tuple(getattr(self, name) for name in MESH_DIMS)
-        pp, dp_replicate, dp_shard, cp, tp = shape
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
         from torch.distributed.device_mesh import init_device_mesh
 
-        expert_shape = (pp, dp_replicate, dp_shard // self.ep, self.ep, cp, tp)
-        return init_device_mesh(device_type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
