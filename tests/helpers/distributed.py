@@ -50,6 +50,7 @@ class _Fresh:
         import numpy as np
         import torch
         import torch.distributed.tensor._random as dtensor_random
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         os.environ.clear()
         os.environ.update(self.environ)
@@ -66,6 +67,10 @@ class _Fresh:
         torch.set_float32_matmul_precision(self.matmul)
         torch.set_num_threads(1)
         dtensor_random._rng_tracker = None  # DTensor's seed tracker, made on a body's mesh
+        # DTensor's sharding propagation caches output specs by input specs, whose meshes
+        # compare equal by shape and names alone: a later body's equal mesh would get back
+        # an earlier body's, with its process groups (destroyed since).
+        _clear_sharding_prop_cache()
         if "torch._dynamo" in sys.modules:  # compiled code and its recompile budget
             torch._dynamo.reset()
 

@@ -6,12 +6,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from hp_runtime.model import preset
 from hp_runtime.model.attention import document_ids
+from hp_runtime.model.moe import Experts
 from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
+from hp_runtime.parallel.ep import ExpertDispatch
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
+from hp_runtime.train.balance import Balance
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 STEPS = 10
 BATCH = 4
@@ -58,16 +69,25 @@ def train(
     pipeline: dict[str, Any] | None = None,
     documents: str | None = None,
 ) -> dict[str, Any]:
-    """Per-step global losses, gradient norms and the final full parameters of one layout.
+    """Per-step global losses, gradient norms and the final full parameters of one layout;
+    for a MoE model (`model_overrides["moe"]`) also each step's `Balance.finish_step` figures
+    and the final balancing biases, by layer.
 
     `pipeline`: schedule, microbatches, virtual_stages, loss_parallel, ac, compile, and
-    sync_tied (False: the negative control that leaves the tied copies' gradients apart).
-    `documents`: None (positions 0..s-1), "reset" (packed documents' position ids) or "mask"
-    (those and document masking)."""
+    sync_tied (False: the negative control that leaves the tied copies' gradients apart);
+    regroup (False: the negative control that leaves the rows expert parallelism receives
+    in their order from the ranks, [source rank][local expert]);
+    accumulate: without a pipeline, the micro-batches a rank's batch runs as (one process
+    with as many as a layout has micro-batches in all computes the same auxiliary losses);
+    checkpoint: ("save" or "load", directory, step): save the model and optimizer after
+    `step` steps, or load them and run the steps from `step` on (the losses and norms of
+    those only). `documents`: None (positions 0..s-1), "reset" (packed documents' position
+    ids) or "mask" (those and document masking)."""
     config = preset("tiny", **model_overrides)
     pipeline = pipeline or {}
     layout = ParallelDims(**(dims or {}))
     microbatches = pipeline.get("microbatches", 2)
+    accumulate = pipeline.get("accumulate", 1)
     options = ParallelOptions(
         pp_schedule=pipeline.get("schedule", "1f1b"),
         pp_microbatches=microbatches,
@@ -86,8 +106,20 @@ def train(
     params = assembly.parameters
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=0.5)
+    elif optimizer == "momentum":  # state for a checkpoint to carry
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
+    balance = Balance(assembly.modules, assembly.dp_group) if config.moe is not None else None
+    if not pipeline.get("regroup", True):
+        for module in (m for part in assembly.modules for m in part.modules()):
+            if isinstance(module, Experts) and isinstance(module.kernel, ExpertDispatch):
+                module.kernel.regroup = lambda received, rows: torch.arange(rows)  # type: ignore[method-assign]
+    checkpoint = pipeline.get("checkpoint")
+    first = 0
+    if checkpoint is not None and checkpoint[0] == "load":
+        _, directory, first = checkpoint
+        _load(assembly.modules, opt, directory)
     masking = documents == "mask"
     # Context parallelism: the position ids travel whole (a stage's rows from their length).
     carries = documents is not None or assembly.cp is not None
@@ -98,8 +130,13 @@ def train(
     def carried(positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (positions, document_ids(positions)) if masking else (positions,)
 
-    losses, norms = [], []
-    for data, position_ids in zip(batches(config.vocab_size), position_batches(), strict=True):
+    losses, norms, figures = [], [], []
+    data_steps = zip(batches(config.vocab_size), position_batches(), strict=True)
+    for step, (data, position_ids) in enumerate(data_steps):
+        if step < first:
+            continue
+        if balance is not None:
+            balance.start_step(microbatches if assembly.schedule is not None else accumulate)
         local = data.chunk(assembly.dp_size)[assembly.dp_rank]
         inputs, targets, rows = local[:, :-1], local[:, 1:], None
         positions = position_ids.chunk(assembly.dp_size)[assembly.dp_rank]
@@ -129,12 +166,23 @@ def train(
                 loss = loss_fn(assembly.model(inputs), targets)
                 loss.backward()
         else:
-            loss = loss_fn(assembly.model(inputs), targets)
-            loss.backward()
+            loss = torch.zeros(())
+            parts = zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True)
+            for part, part_targets in parts:
+                share = loss_fn(assembly.model(part), part_targets) / accumulate
+                share.backward()
+                loss += share.detach()
         norm = assembly.finish_gradients(MAX_NORM, sync_tied=pipeline.get("sync_tied", True))
         norms.append(float(norm))
+        if balance is not None:
+            layers = [layer for layer, _ in balance.layers]
+            figures.append(dict(zip(layers, balance.finish_step().numpy().copy(), strict=True)))
         opt.step()
         opt.zero_grad()
+        if balance is not None:
+            balance.update_bias()
+        if checkpoint is not None and checkpoint[0] == "save" and step + 1 == checkpoint[2]:
+            _save(assembly.modules, opt, checkpoint[1])
         if loss is not None and hasattr(loss, "full_tensor"):  # loss_parallel gives a DTensor
             loss = loss.full_tensor()
         reported = loss.detach().clone() if loss is not None else torch.zeros(())
@@ -148,4 +196,39 @@ def train(
             value = param.full_tensor() if hasattr(param, "full_tensor") else param
             # numpy: crosses process boundaries
             full[canonical_name(name)] = value.detach().numpy().copy()
-    return {"losses": losses, "norms": norms, "params": full}
+    biases, local = {}, {}
+    for layer, moe in balance.layers if balance is not None else ():
+        biases[layer] = moe.router.expert_bias.detach().numpy().copy()
+        w1 = moe.experts.w1
+        local[layer] = (w1.to_local() if hasattr(w1, "to_local") else w1).shape[0]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": full,
+        "balance": figures,  # per step: {layer: Balance.finish_step's row}
+        "bias": biases,
+        "local_experts": local,  # rows of the experts' weights this rank holds, by layer
+    }
+
+
+_STATE = StateDictOptions(flatten_optimizer_state_dict=True)  # as the trainer's checkpoints
+
+
+def _state(modules: list[torch.nn.Module], opt: torch.optim.Optimizer) -> dict[str, Any]:
+    (module,) = modules  # one model part: the optimizer is over its parameters
+    return {
+        "model": get_model_state_dict(module, options=_STATE),
+        "optim": get_optimizer_state_dict(module, opt, options=_STATE),
+    }
+
+
+def _save(modules: list[torch.nn.Module], opt: torch.optim.Optimizer, directory: str) -> None:
+    """The model (the balancing biases with it) and the optimizer, with DCP, resharded on load."""
+    dcp.save(_state(modules, opt), checkpoint_id=directory)
+
+
+def _load(modules: list[torch.nn.Module], opt: torch.optim.Optimizer, directory: str) -> None:
+    state = _state(modules, opt)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(modules[0], state["model"], options=_STATE)
+    set_optimizer_state_dict(modules[0], opt, state["optim"], options=_STATE)

@@ -1,7 +1,7 @@
 """A rank's whole share of a parallel model, assembled in the one order that works.
 
 The protocol is order-sensitive, so it lives here once: build on meta → cut pipeline stages →
-parallelize each stage (TP → CP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
+parallelize each stage (TP → EP → CP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
 re-ties) → broadcast the tied embedding from the first stage to the last → build the schedule.
 After backward, `Assembly.finish_gradients` sums the tied copies' gradients and clips, counting
 the last stage's copy out of the norm. The trainer and the parity tests both call this.
@@ -45,6 +45,7 @@ class Assembly:
     parameters: list[nn.Parameter] = field(default_factory=list)
     dp_cp_mesh: DeviceMesh | None = None
     cp: ContextParallel | None = None  # context parallelism's plan: this rank's rows
+    expert_mesh: DeviceMesh | None = None  # expert parallelism's (`ParallelDims.build_expert_mesh`)
 
     @property
     def stage_ids(self) -> list[int]:
@@ -130,11 +131,13 @@ def assemble(
     options = options or ParallelOptions()
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims.validate(world, config)
-    mesh = dp_mesh = dp_cp = None
+    mesh = dp_mesh = dp_cp = expert_mesh = None
     if dist.is_initialized():
         mesh = dims.build_mesh(device.type, world)
         dp_mesh = data_parallel_mesh(mesh)
         dp_cp = dp_cp_mesh(mesh, dims)
+        if dims.ep > 1:
+            expert_mesh = dims.build_expert_mesh(device.type, world)
     with torch.device("meta"):
         model = Transformer(config)
     stages: list[tuple[int, nn.Module]] = [(0, model)]
@@ -151,7 +154,9 @@ def assemble(
         pp_group, tied_group = stage_groups(mesh)
     if mesh is not None:
         for _, module in stages:
-            parallelize(module, dims, mesh, options, param_dtype=param_dtype)
+            parallelize(
+                module, dims, mesh, options, param_dtype=param_dtype, expert_mesh=expert_mesh
+            )
     for _, module in stages:
         module.to_empty(device=device)
         init_weights(module, seed=seed)
@@ -165,6 +170,7 @@ def assemble(
         pp_group=pp_group,
         dp_cp_mesh=dp_cp,
         cp=ContextParallel(mesh["cp"]) if dims.cp > 1 else None,  # type: ignore[index]
+        expert_mesh=expert_mesh,
     )
     if dims.pp > 1 and config.tie_embeddings:
         assembly.tied, assembly.tied_group = tied_weight(stages), tied_group

@@ -28,8 +28,10 @@ def init_weights(model: Transformer, seed: int) -> None:
     model.tie_weights()  # materialising on a device unties them
     for name, param in model.named_parameters():
         copy_full_(param, initial_tensor(model.config, canonical_name(name), param.shape, seed))
-    state = model.state_dict(keep_vars=True)  # the buffers that are state (the MoE bias)
+    # The buffers that are state (the MoE bias), by canonical name: activation checkpointing's
+    # wrapper leaves its prefix out of the state dict's keys, not out of named_buffers'.
+    state = {canonical_name(key) for key in model.state_dict(keep_vars=True)}
     for name, buffer in model.named_buffers():
-        if name in state:
+        if canonical_name(name) in state:
             copy_full_(buffer, initial_tensor(model.config, canonical_name(name), buffer.shape, 0))
     model.reset_buffers()

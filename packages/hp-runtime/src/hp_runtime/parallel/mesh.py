@@ -14,6 +14,9 @@ if TYPE_CHECKING:  # torch is imported where a mesh is built: the config needs o
 # ranks (one node's), a pipeline's stages the farthest apart. Stable names.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ORDER = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # as the degrees are written
+# The same ranks with dp_shard split in two, (dp_shard / ep, ep): the mesh expert parameters
+# live on (`ep.py`). Stable names.
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,18 @@ class ParallelDims:
 
         return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
+    def build_expert_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """The ranks of `build_mesh` with dims named as `EXPERT_MESH_DIMS`: a rank's dp_shard
+        index is `outer * ep + inner` (its dp_shard_mod_ep and ep indices), so an ep group is
+        `ep` neighbouring dp_shard ranks (torchtitan's layout). It creates process groups:
+        every rank builds it at the same point, and keeps it (FSDP and the expert weights'
+        DTensors refer to it)."""
+        self.validate(world_size)
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+
 
 def _flatten(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
     """Dims `names` of `mesh` as one 1-D mesh called `name`. It creates process groups, so
@@ -130,3 +145,14 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     # (dp_replicate, dp_shard_cp) on the two meshes' own groups, as fully_shard builds an HSDP
     # mesh itself (private too; slicing a flattened dim out of the root mesh is deprecated).
     return type(mesh)._concatenate([mesh["dp_replicate"], shard])
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards expert weights over, on the expert mesh: the dp_shard ranks an ep
+    group leaves (dp_shard / ep of them, a 1-rank mesh when ep = dp_shard), with dp_replicate
+    as the leading, replicated dim of HSDP. The ep ranks hold different experts already."""
+    if dims.cp > 1:  # `validate` refuses MoE with cp: the cp ranks would join dp_shard_mod_ep
+        raise ValueError(f"cp={dims.cp} with expert parallelism is not supported yet")
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    return mesh["dp_shard_mod_ep"]

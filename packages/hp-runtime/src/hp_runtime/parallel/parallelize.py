@@ -1,4 +1,4 @@
-"""The order the parallel dimensions are applied in, in one place: TP, CP, AC, compile, FSDP
+"""The order the parallel dimensions are applied in, in one place: TP, EP, CP, AC, compile, FSDP
 (pipeline stages are cut before, in `pp.py`, and each stage goes through here); and the
 parameter names as they were before these wrappers."""
 
@@ -11,8 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_runtime.parallel.ac import AC_NAME_PREFIX, apply_ac
 from hp_runtime.parallel.compile import COMPILE_NAME_PREFIX, apply_compile
 from hp_runtime.parallel.cp import ContextParallel, apply_cp
+from hp_runtime.parallel.ep import apply_ep
 from hp_runtime.parallel.fsdp import apply_fsdp
-from hp_runtime.parallel.mesh import ParallelDims, fsdp_mesh
+from hp_runtime.parallel.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from hp_runtime.parallel.options import ParallelOptions
 from hp_runtime.parallel.tp import apply_tp
 
@@ -24,15 +25,21 @@ def parallelize(
     options: ParallelOptions | None = None,
     *,
     param_dtype: torch.dtype | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Apply tensor parallel, then context parallel, then activation checkpointing, then
-    per-block torch.compile, then FSDP/HSDP (over dp_shard x cp), to a model (or a pipeline
-    stage) still on the meta device. `param_dtype` is FSDP's compute dtype (default: bf16 on
-    GPU, fp32 on CPU)."""
+    """Apply tensor parallel, then expert parallel, then context parallel, then activation
+    checkpointing, then per-block torch.compile, then FSDP/HSDP (over dp_shard x cp), to a
+    model (or a pipeline stage) still on the meta device. `param_dtype` is FSDP's compute
+    dtype (default: bf16 on GPU, fp32 on CPU). `expert_mesh` (`ParallelDims.build_expert_mesh`)
+    is required when `dims.ep > 1`."""
     options = options or ParallelOptions()
     if dims.tp > 1:
         reduce_dtype = getattr(torch, options.tp_reduce_dtype) if options.tp_reduce_dtype else None
         apply_tp(model, mesh["tp"], options.loss_parallel, reduce_dtype)
+    if dims.ep > 1:
+        if expert_mesh is None:
+            raise ValueError(f"ep={dims.ep} needs the expert mesh (ParallelDims.build_expert_mesh)")
+        apply_ep(model, expert_mesh["ep"])
     if dims.cp > 1:
         apply_cp(model, ContextParallel(mesh["cp"]))
     if options.activation_checkpointing != "none":
@@ -41,7 +48,16 @@ def parallelize(
         apply_compile(model)
     if dims.dp_cp_size > 1:
         reshard = options.fsdp_reshard_after_forward == "always"
-        apply_fsdp(model, fsdp_mesh(mesh, dims), mesh.device_type, reshard, param_dtype)
+        experts = expert_fsdp_mesh(expert_mesh, dims) if dims.ep > 1 else None  # type: ignore[arg-type]
+        apply_fsdp(
+            model,
+            fsdp_mesh(mesh, dims),
+            mesh.device_type,
+            reshard,
+            param_dtype,
+            expert_mesh=experts,
+            divide_factor=dims.dp_cp_size,
+        )
     return model
 
 

@@ -5,6 +5,11 @@ feed-forward input is gathered, the q/k/v and w1/w3 projections split by columns
 by rows (reduce-scattered back to sequence shards). The output head gathers the sequence and
 returns replicated logits (or, with loss_parallel, vocabulary-sharded ones).
 
+A MoE layer's feed-forward runs whole on every tp rank: its input gathered from the sequence
+shards, the router, shared and routed experts replicated (each tp rank routes every token
+alike; expert parallelism, not TP, splits the experts), and its output split back into the
+sequence shards (a split, no sum; its backward gathers the identical gradients).
+
 With `reduce_dtype` (float32 under bf16 parameters) the row-wise projections keep their
 partial products in that dtype: the local matmul writes fp32, the partial sums are
 reduce-scattered in fp32 and rounded to bf16 once, after the sum, instead of rounding every
@@ -22,10 +27,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from hp_runtime.model.moe import MoE
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,6 +119,24 @@ def apply_tp(
         )
     parallelize_module(model, mesh, top)  # type: ignore[arg-type]
     for block in model.layers.values():
+        ffn: dict[str, object] = {
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": rowwise(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if isinstance(block.feed_forward, MoE):  # whole on every tp rank (see above)
+            ffn = {
+                "feed_forward": PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                )
+            }
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
@@ -122,12 +148,7 @@ def apply_tp(
             "attention.wv": ColwiseParallel(),
             "attention.wo": rowwise(),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": rowwise(),
-            "feed_forward.w3": ColwiseParallel(),
+            **ffn,
         }
         parallelize_module(block, mesh, plan)  # type: ignore[arg-type]
     # parallelize_module replaces the two parameters of a tied embedding: tie them again.
