@@ -170,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.kernel == "loop":
             _use_loop(assembly.modules)
         stepper = Stepper(assembly, TokenLoss(device), 1, None, False, False, None, CHUNK_TOKENS)
-        optimizer = build_optimizer(assembly.modules, OptimConfig(), False, device)
+        optimizer = build_optimizer(assembly.modules, OptimConfig(), config.tie_embeddings, device)
 
         def step(stepper=stepper, assembly=assembly, optimizer=optimizer, vocab=config.vocab_size):
             stepper.train_step([batch(vocab)], 1)
