@@ -62,6 +62,10 @@ PP = {"schedule": "1f1b", "microbatches": 2}
 LAYOUTS = {
     # full AC: the dispatch runs again in the recompute, its collectives in the backward
     "ep2": (2, {"dp_shard": 2, "ep": 2}, SOFTMAX_AUX, {"ac": "full"}),
+    # every router and balancing at the plainest layout (two ranks, cheap)
+    "ep2-sigmoid-aux": (2, {"dp_shard": 2, "ep": 2}, SIGMOID_AUX, None),
+    "ep2-softmax-bias": (2, {"dp_shard": 2, "ep": 2}, SOFTMAX_BIAS, None),
+    "ep2-sigmoid-bias": (2, {"dp_shard": 2, "ep": 2}, SIGMOID_BIAS, None),
     "ep4": (4, {"dp_shard": 4, "ep": 4}, SOFTMAX_AUX, None),
     "dp_shard4xep2": (4, {"dp_shard": 4, "ep": 2}, SOFTMAX_AUX, None),
     "ep2xpp2": (4, {"dp_shard": 2, "ep": 2, "pp": 2}, SOFTMAX_AUX, PP),
