@@ -58,17 +58,16 @@ class Optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
-def _mixed(groups: list[dict[str, object]]) -> bool:
+def _mixed(module: nn.Module) -> bool:
     """Whether DTensors and plain tensors share the optimizer: a MoE layer under TP without
     FSDP keeps plain parameters beside TP's DTensors (`parallel/tp.py`), and torch's fused and
     multi-tensor kernels refuse the mix in one call."""
-    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}  # type: ignore[attr-defined]
-    return len(kinds) > 1
+    return len({isinstance(p, DTensor) for p in module.parameters()}) > 1
 
 
 def _optimizer(module: nn.Module, optim: OptimConfig, tied: bool, device: torch.device):
     groups = param_groups([module], optim, tied)
-    batched = not _mixed(groups)  # else one tensor at a time: the same update
+    batched = not _mixed(module)  # else one tensor at a time: the same update
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=batched)
     fused = device.type == "cuda" and batched
