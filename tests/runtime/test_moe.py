@@ -245,6 +245,25 @@ def test_aux_loss_reaches_the_gate_with_its_scale(router):
     assert (got["router.gate.weight"] - without).abs().max() > 1e-3  # the aux loss counted
 
 
+def test_a_plain_layer_is_initialised_and_weighs_its_aux_loss_by_the_coefficient():
+    """Outside the trainer (no init_weights, no Balance): the experts hold numbers in a
+    Linear's range, not torch.empty's, and one forward's aux loss weighs aux_loss_coef."""
+    torch.manual_seed(0)
+    layer = MoE(layer_config(aux_loss_coef=0.25))
+    for name in ("w1", "w2", "w3"):
+        weight = getattr(layer.experts, name)
+        bound = 1 / weight.shape[-1] ** 0.5  # nn.Linear's default over the input width
+        assert weight.isfinite().all() and weight.abs().max() <= bound, name
+        assert weight.std() > bound / 4, name  # drawn, not zeros
+    x = tokens().requires_grad_()
+    layer(x).sum().backward()
+    got = layer.router.gate.weight.grad.clone()
+    layer.zero_grad()
+    layer.eval()
+    (layer(x).sum() + 0.25 * plain_aux(layer, x)).backward()
+    torch.testing.assert_close(got, layer.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("early_stop", [True, False])  # False: the recompute runs to the end
 def test_the_load_is_counted_once_per_forward_even_when_recomputed(early_stop):
     layer = make_layer()

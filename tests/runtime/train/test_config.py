@@ -564,6 +564,9 @@ def _moe(**fields: str) -> str:
         ([_moe(), "parallel.ep=2", "parallel.dp_shard=3"], "parallel.ep=2 does not divide "
                                                            "parallel.dp_shard=3"),
         ([_moe(), "parallel.cp=2"], "model.moe with parallel.cp=2 is not supported yet"),
+        ([_moe(), "parallel.ep=2", "parallel.dp_shard=2", "parallel.compile=true"],
+         "parallel.compile = true with parallel.ep=2 is not supported yet: set "
+         "parallel.compile = false"),
     ],
 )  # fmt: skip
 def test_bad_moe_values_name_the_key(overrides, message):

@@ -87,8 +87,9 @@ def test_a_moe_model_through_fsdp_and_a_pipeline_gives_the_same_losses_and_figur
     overrides, tmp_path
 ):
     """FSDP 2 x PP 2 (a dense first layer and a MoE one on the first stage, a MoE one on the
-    second) equals one process: the auxiliary loss weighs each micro-batch alike on every
-    rank, and each layer's expert load and auxiliary loss reach the log from its stage once."""
+    second) and TP 2 (both tp ranks route every token) equal one process: the auxiliary loss
+    weighs each micro-batch alike on every rank, and each layer's expert load and auxiliary
+    loss reach the log from its stage once, not once per tp rank."""
     moe = [
         *overrides,
         "model.moe={experts = 4, top_k = 2, expert_ffn_hidden = 32, first_dense_layers = 1, "
@@ -98,10 +99,12 @@ def test_a_moe_model_through_fsdp_and_a_pipeline_gives_the_same_losses_and_figur
     one = train_ranks(1, [*moe, f"train.run_dir={tmp_path / 'one'}"])[0]
     layout = ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"]
     split = train_ranks(4, [*moe, *layout, f"train.run_dir={tmp_path / 'split'}"])
-    for rank in split:
+    tp = train_ranks(2, [*moe, "parallel.tp=2", f"train.run_dir={tmp_path / 'tp'}"])
+    for rank in [*split, *tp]:
         np.testing.assert_allclose(rank["losses"], one["losses"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(rank["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0)
-    want, got = records(tmp_path / "one"), records(tmp_path / "split")
+    want = records(tmp_path / "one")
     assert len(want) == 3 and all(len(r["moe_load_max_over_mean"]) == 2 for r in want)
-    for key in ("moe_load_max_over_mean", "moe_aux_loss"):
-        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5)
+    for got in (records(tmp_path / "split"), records(tmp_path / "tp")):
+        for key in ("moe_load_max_over_mean", "moe_aux_loss"):
+            np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5)

@@ -182,6 +182,15 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.kernel: ExpertKernel = auto_expert_ffn
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's weights as `nn.Linear` initialises its own (Kaiming-uniform over its
+        input width), so a plain `Experts` (or `Transformer(config)`) holds numbers, not
+        `torch.empty`'s garbage; the trainer's `init_weights` overwrites them."""
+        for weight in (self.w1, self.w2, self.w3):
+            bound = 1 / weight.shape[-1] ** 0.5  # kaiming_uniform_(a=sqrt(5)) of a Linear
+            nn.init.uniform_(weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, counts, self.w1, self.w2, self.w3)
@@ -267,16 +276,17 @@ class MoE(nn.Module):
         self.shared = None
         if moe.shared_experts:
             self.shared = FeedForward(config.dim, moe.shared_hidden)
-        # The weight of this layer's auxiliary loss in the step's loss: the trainer sets it
-        # to aux_loss_coef / micro-batches per rank before each step (see `train/step.py`).
-        self.register_buffer("aux_scale", torch.ones(()), persistent=False)
+        # The weight of this layer's auxiliary loss in the step's loss: aux_loss_coef for one
+        # forward; the trainer sets it to aux_loss_coef / micro-batches per rank before each
+        # step (see `train/balance.py`).
+        self.register_buffer("aux_scale", torch.tensor(moe.aux_loss_coef), persistent=False)
         # Summed over a step's forwards, read and zeroed by the trainer.
         self.register_buffer("load", torch.zeros(moe.experts), persistent=False)
         self.register_buffer("aux_total", torch.zeros(()), persistent=False)
 
     def reset_buffers(self) -> None:
         """The non-persistent buffers' starting values (`to_empty` leaves them garbage)."""
-        self.aux_scale.fill_(1.0)
+        self.aux_scale.fill_(self.moe.aux_loss_coef)
         self.load.zero_()
         self.aux_total.zero_()
 

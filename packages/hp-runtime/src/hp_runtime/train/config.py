@@ -799,6 +799,13 @@ def check_moe(config: Config) -> None:
             f"model.moe with parallel.cp={p.cp} is not supported yet: train a MoE model with "
             "parallel.cp = 1"
         )
+    if p.ep > 1 and p.compile:
+        # The experts' own FSDP unit (`parallel/fsdp.py`) inside a compiled block: dynamo
+        # refuses FSDP's hooks there (torch 2.15), a traceback at the first step.
+        raise ConfigError(
+            f"parallel.compile = true with parallel.ep={p.ep} is not supported yet: set "
+            "parallel.compile = false, or parallel.ep = 1 (a MoE model compiles without ep)"
+        )
 
 
 def _check_split(split: str) -> None:

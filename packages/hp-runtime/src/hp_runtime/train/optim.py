@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import OptimConfig
@@ -57,18 +58,26 @@ class Optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
+def _mixed(module: nn.Module) -> bool:
+    """Whether DTensors and plain tensors share the optimizer: a MoE layer under TP without
+    FSDP keeps plain parameters beside TP's DTensors (`parallel/tp.py`), and torch's fused and
+    multi-tensor kernels refuse the mix in one call."""
+    return len({isinstance(p, DTensor) for p in module.parameters()}) > 1
+
+
 def _optimizer(module: nn.Module, optim: OptimConfig, tied: bool, device: torch.device):
     groups = param_groups([module], optim, tied)
+    batched = not _mixed(module)  # else one tensor at a time: the same update
     if optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=True)
-    fused = device.type == "cuda"
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=batched)
+    fused = device.type == "cuda" and batched
     return torch.optim.AdamW(
         groups,
         lr=optim.lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
         fused=fused,
-        foreach=not fused,
+        foreach=batched and not fused,
     )
 
 
