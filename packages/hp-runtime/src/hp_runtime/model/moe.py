@@ -41,7 +41,7 @@ def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """What a matmul on `x` computes in: autocast's dtype where it is on, else x's."""
     kind = x.device.type
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
@@ -75,7 +75,7 @@ def grouped_expert_ffn(
     """`expert_ffn` as three grouped matrix multiplies (`torch._grouped_mm`), one per weight
     over all experts. The groups' ends are the cumulative counts, int32 on the device: no
     host read, so no sync on a GPU."""
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     ends = counts.cumsum(0, dtype=torch.int32)
     with _autocast_off(x.device):
@@ -155,7 +155,7 @@ def _try_grouped(device: torch.device, dtype: torch.dtype) -> bool:
 def _aligned(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """The grouped multiply's layout rule: each operand's rows start 16 bytes apart, so the
     model width and the expert width must be multiples of 16 bytes (8 bf16 values)."""
-    size = _compute_dtype(x).itemsize
+    size = compute_dtype(x).itemsize
     return (w1.shape[-1] * size) % 16 == 0 and (w1.shape[-2] * size) % 16 == 0
 
 
@@ -168,7 +168,7 @@ def auto_expert_ffn(
 ) -> torch.Tensor:
     """The default kernel: `grouped_expert_ffn` where the grouped multiply runs for x's
     device and compute dtype and the widths fit its layout, else the loop `expert_ffn`."""
-    grouped = _aligned(x, w1) and grouped_mm_runs(x.device, _compute_dtype(x))
+    grouped = _aligned(x, w1) and grouped_mm_runs(x.device, compute_dtype(x))
     return (grouped_expert_ffn if grouped else expert_ffn)(x.contiguous(), counts, w1, w2, w3)
 
 

@@ -33,13 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hp_runtime.model.moe import MoE
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """What a linear layer computes in here: autocast's dtype where it is on, else x's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+from hp_runtime.model.moe import MoE, compute_dtype
 
 
 class _PartialProduct(torch.autograd.Function):
@@ -48,7 +42,7 @@ class _PartialProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        compute = _compute_dtype(x)
+        compute = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             xc, wc = x.to(compute), w.to(compute)
             ctx.save_for_backward(xc, wc)
@@ -84,7 +78,7 @@ class RowwiseParallelReduced(RowwiseParallel):
 
         def forward(self: nn.Module, x: DTensor) -> DTensor:
             local = _PartialProduct.apply(x.to_local(), self.weight.to_local(), reduce_dtype)
-            compute = _compute_dtype(x.to_local())
+            compute = compute_dtype(x.to_local())
             partial = DTensor.from_local(local, x.device_mesh, [Partial()], run_check=False)
             return partial.redistribute(placements=layouts).to(compute)
 
