@@ -26,3 +26,26 @@ def example_corpus() -> Path:
 @pytest.fixture(scope="session")
 def example_tokenizer() -> Path:
     return REPO / "examples" / "tokenizer.json"
+
+
+# Files whose tests launch whole jobs (torchrun's ranks, a Ray cluster). On CI's two cores two of
+# them side by side only slow each other down (a run measured them at up to three times their
+# serial time), so xdist's scheduler takes them as one unit: one worker runs them one after
+# another while the other takes the rest. Every other file is a unit of its own (loadfile).
+LAUNCHERS = {
+    "tests/data/preprocess/test_ray.py",
+    "tests/runtime/train/test_checkpoint.py",
+    "tests/runtime/train/test_cli.py",
+    "tests/runtime/train/test_run_safety.py",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadFileScheduling
+
+    class LaunchersTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "launchers" if scope in LAUNCHERS else scope
+
+    return LaunchersTogether(config, log)
