@@ -33,20 +33,21 @@ from hp_runtime.model.ffn import FeedForward
 ExpertKernel = Callable[..., torch.Tensor]
 
 
+def _autocast_on(kind: str) -> bool:
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
 def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     """A context without autocast on `device` (a no-op where autocast is off or unknown)."""
-    kind = device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.autocast(kind, enabled=False)
+    if _autocast_on(device.type):
+        return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """What a matmul on `x` computes in: autocast's dtype where it is on, else x's."""
     kind = x.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
+    return torch.get_autocast_dtype(kind) if _autocast_on(kind) else x.dtype
 
 
 def expert_ffn(
@@ -280,7 +281,7 @@ class MoE(nn.Module):
         # forward; the trainer sets it to aux_loss_coef / micro-batches per rank before each
         # step (see `train/balance.py`).
         self.register_buffer("aux_scale", torch.tensor(moe.aux_loss_coef), persistent=False)
-        # Summed over a step's forwards, read and zeroed by the trainer.
+        # Summed over a step's forwards; the trainer zeroes them before a step, reads them after.
         self.register_buffer("load", torch.zeros(moe.experts), persistent=False)
         self.register_buffer("aux_total", torch.zeros(()), persistent=False)
 

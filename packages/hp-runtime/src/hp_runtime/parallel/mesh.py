@@ -150,9 +150,8 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh FSDP shards expert weights over, on the expert mesh: the dp_shard ranks an ep
     group leaves (dp_shard / ep of them, a 1-rank mesh when ep = dp_shard), with dp_replicate
-    as the leading, replicated dim of HSDP. The ep ranks hold different experts already."""
-    if dims.cp > 1:  # `validate` refuses MoE with cp: the cp ranks would join dp_shard_mod_ep
-        raise ValueError(f"cp={dims.cp} with expert parallelism is not supported yet")
+    as the leading, replicated dim of HSDP. The ep ranks hold different experts already.
+    (No cp: `validate` refuses MoE with it, whose ranks would join dp_shard_mod_ep.)"""
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard_mod_ep"]
     return mesh["dp_shard_mod_ep"]

@@ -50,9 +50,10 @@ class Balance:
             moe.aux_total.zero_()
 
     def finish_step(self) -> torch.Tensor:
-        """After the step's backward: sum the loads over the data-parallel ranks and zero
-        the buffers. Returns (layers here, 3): [mean auxiliary loss per micro-batch, max
-        tokens per expert / mean tokens per expert, total tokens routed] per layer."""
+        """After the step's backward: sum the loads over the data-parallel ranks (the next
+        `start_step` zeroes the buffers). Returns (layers here, 3): [mean auxiliary loss per
+        micro-batch, max tokens per expert / mean tokens per expert, total tokens routed] per
+        layer."""
         if not self.layers:
             return torch.zeros(0, 3)
         loads = torch.stack([moe.load for _, moe in self.layers])
@@ -61,9 +62,6 @@ class Balance:
         if self.group is not None:
             dist.all_reduce(packed, group=self.group)
         self.load = packed[:, :-1]
-        for _, moe in self.layers:
-            moe.load.zero_()
-            moe.aux_total.zero_()
         mean = self.load.mean(dim=1)
         return torch.stack(
             [

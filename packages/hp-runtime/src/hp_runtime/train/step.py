@@ -109,18 +109,6 @@ class Stepper:
                 stack.enter_context(loss_parallel())
             yield
 
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        """The MoE layers in eval mode: an evaluation neither computes the auxiliary loss nor
-        counts the expert load (a step's figures and the bias are the training tokens')."""
-        for _, moe in self.balance.layers:
-            moe.train(False)
-        try:
-            yield
-        finally:
-            for _, moe in self.balance.layers:
-                moe.train(True)
-
     def _shard(self, micro: list[Batch]) -> list[Batch]:
         """This rank's rows of each micro-batch under context parallelism (`parallel/cp.py`)."""
         cp = self.assembly.cp
@@ -258,7 +246,9 @@ class Stepper:
         micro = self._shard(self._documents(micro))  # documents of the whole sequence
         self.loss_fn.scale = torch.ones((), device=self.device)
         zero = torch.zeros((), device=self.device)
-        with self._context(), self._eval_mode():
+        # Under no_grad the MoE layers neither weigh an auxiliary loss nor count the load
+        # (`MoE.forward`): a step's figures and the bias are the training tokens'.
+        with self._context():
             if a.schedule is not None:
                 summed = self._pipeline(micro, count, backward=False)
             else:
