@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
@@ -53,8 +54,28 @@ class BatchPlan:
 
     @property
     def accumulation(self) -> int:
-        """Micro-batches per rank per step."""
+        """Micro-batches per rank per step at the full global batch."""
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    # The per-step view (issue 24): with `train.batch_ramp` the global batch grows over the
+    # first steps; every caller that needs a step's batch, its micro-batches or the samples
+    # trained so far asks these, never `global_batch_size` times a step count.
+
+    def global_batch_at(self, step: int) -> int:
+        """The global batch of step `step` (steps count from 1)."""
+        return self.global_batch_size
+
+    def accumulation_at(self, step: int) -> int:
+        """Micro-batches per rank in step `step`."""
+        return self.global_batch_at(step) // (self.micro_batch_size * self.dp_size)
+
+    def samples_after(self, step: int) -> int:
+        """Samples consumed once steps 1..`step` are done (0 for step 0)."""
+        return step * self.global_batch_size
+
+    def cumulative_samples(self, steps: int) -> np.ndarray:
+        """int64 [steps + 1]: `samples_after(s)` for s = 0..steps, in one array."""
+        return np.arange(steps + 1, dtype=np.int64) * self.global_batch_size
 
 
 def batch_plan(config: Config) -> BatchPlan:

@@ -147,13 +147,14 @@ class Loop:
         lr = lr_at(step, self.config.optim, self.t.steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
-        micro = self.loader.take(plan.accumulation) if self.loader is not None else []
+        count = plan.accumulation_at(step)
+        micro = self.loader.take(count) if self.loader is not None else []
         request = StopRequest(
             signal=self.signals.received is not None,
             time_limit=self.near_time_limit(),
             save_failed=run.checkpointer.save_failed(),
         )
-        loss, stop, self.moe = run.stepper.train_step(micro, plan.accumulation, request.encode())
+        loss, stop, self.moe = run.stepper.train_step(micro, count, request.encode())
         norm = run.assembly.finish_gradients(self.t.max_norm)
         values = torch.stack([loss, norm.float(), stop])
         if state.guard.enabled and self.guard(step, values):

@@ -146,7 +146,7 @@ def resume(
                 meta,
                 path,
                 config,
-                state.global_batch_size,
+                state.plan.global_batch_size,
                 datasets.identity,
                 say if runtime.is_main else lambda _: None,
             )
@@ -245,7 +245,7 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         assembly.modules, config.optim, config.model.tie_embeddings, runtime.device
     )
     guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
-    state = TrainState(assembly.modules, optimizer, plan.global_batch_size, guard)
+    state = TrainState(assembly.modules, optimizer, plan, guard)
     checkpointer.clean()
     load_start = time.perf_counter()
     resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from hp_runtime.train.data import BatchPlan
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.optim import Optimizers
 
@@ -21,7 +22,7 @@ from hp_runtime.train.optim import Optimizers
 class TrainState:
     modules: list[nn.Module]
     optimizer: Optimizers
-    global_batch_size: int
+    plan: BatchPlan  # each step's global batch (`train.batch_ramp` grows it)
     guard: SpikeGuard
     step: int = 0
     consumed_samples: int = 0
@@ -31,7 +32,7 @@ class TrainState:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
-            "global_batch_size": self.global_batch_size,
+            "global_batch_size": self.plan.global_batch_size,
             "guard": {"losses": list(self.guard.losses), "norms": list(self.guard.norms)},
         }
 
@@ -45,9 +46,11 @@ class TrainState:
     def advance(self) -> None:
         """One optimizer step done (or skipped) on one global batch."""
         self.step += 1
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += self.plan.global_batch_at(self.step)
 
     def samples_of(self, step: int) -> tuple[int, int]:
         """The global sample ids [first, end) that step `step` trained on."""
-        end = self.consumed_samples - (self.step - step) * self.global_batch_size
-        return end - self.global_batch_size, end
+        end = self.consumed_samples - (
+            self.plan.samples_after(self.step) - self.plan.samples_after(step)
+        )
+        return end - self.plan.global_batch_at(step), end
