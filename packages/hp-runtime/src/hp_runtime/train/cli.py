@@ -135,7 +135,51 @@ def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -
         click.echo(f"hp-train: note: {name} beside {out} is from an interrupted export; remove it")
 
 
-SUBCOMMANDS = {"plot": plot_command, "export": export_command}
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
+@click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True)
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1e-4,
+    show_default=True,
+    help="Largest relative difference of loss, gradient norm or parameters allowed.",
+)
+@click.option("--keep", is_flag=True, help="Keep both runs under RUN_DIR/verify-*.")
+@click.argument("overrides", nargs=-1)
+def verify_command(
+    config_path: str | None, steps: int, tolerance: float, keep: bool, overrides: tuple[str, ...]
+) -> None:
+    """Train the config's layout, shrunk, against one process; exit 1 if they differ. Launch
+    it as the run: torchrun --nproc-per-node N -m hp_runtime.train verify --config FILE."""
+    from hp_data.errors import HpDataError
+
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:  # verify sets train.steps itself: the run's own length is not needed here
+        config = load_config(config_path, [*overrides, f"train.steps={steps}"])
+    except ConfigError as exc:
+        _fail(str(exc), 2, rank)
+    from hp_runtime.train.launch import start, stop
+    from hp_runtime.train.verify import verify
+
+    try:
+        runtime = start(config.train.device, config.train.cpu_threads)
+        same = verify(config_path, list(overrides), runtime, steps, tolerance, keep)
+    except PeerFailed:
+        sys.exit(1)
+    except ConfigError as exc:
+        _fail(str(exc), 2, rank)
+    except (TrainError, HpDataError, OSError) as exc:
+        _fail(str(exc), 1, rank)
+    finally:
+        stop()
+    sys.exit(0 if same else 1)
+
+
+SUBCOMMANDS = {"plot": plot_command, "export": export_command, "verify": verify_command}
 
 
 def main(argv: list[str] | None = None) -> None:

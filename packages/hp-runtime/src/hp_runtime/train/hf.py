@@ -358,31 +358,33 @@ def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) 
         copy_full_(tensor, full)
 
 
-def export_checkpoint(
-    checkpoint: str, out: str, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 2**30
-) -> list[str]:
-    """A hp-train checkpoint (any layout it was saved from) as an HF directory of its model's
-    family; the model's tensors are read in one process, the optimizer's are not read at all."""
+def _stored_model(checkpoint: str, meta: dict[str, Any]) -> ModelConfig:
+    """The model config a checkpoint's meta.json stores (only [model]: the run's other keys
+    may be of an older hp-train)."""
+    from hp_runtime.train.checkpoint import saved_model
+    from hp_runtime.train.config import build_model
+    from hp_runtime.train.errors import ConfigError
+
+    try:
+        return build_model(saved_model(meta))[1]
+    except ConfigError as exc:
+        raise TrainError(f"{checkpoint}: its stored [model] config: {exc}") from None
+
+
+def read_model(checkpoint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and full fp32 tensors (by canonical name) of a hp-train checkpoint of
+    any layout, read in one process, its checksums and tensor names checked first; the
+    optimizer's tensors are not read at all."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import check_tensors, checked_metadata, read_meta, saved_model
-    from hp_runtime.train.config import build_model
-    from hp_runtime.train.errors import ConfigError
+    from hp_runtime.train.checkpoint import check_tensors, checked_metadata, read_meta
     from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
-    ExportTarget(out)  # a bad --out is refused before the checkpoint is read
     meta = read_meta(checkpoint)
     metadata = checked_metadata(checkpoint, meta)  # checksums, nothing unpickled beyond DCP's
-    try:  # only [model]: the run's other keys may be of an older hp-train
-        _, config, _ = build_model(saved_model(meta))
-    except ConfigError as exc:
-        raise TrainError(f"{checkpoint}: its stored [model] config: {exc}") from None
-    try:
-        export_family(config)
-    except TrainError as exc:
-        raise TrainError(f"{checkpoint}: cannot be exported: {exc}") from None
+    config = _stored_model(checkpoint, meta)
     check_tensors(checkpoint, metadata, config)  # every tensor of the model, by name and shape
     with torch.device("meta"):
         model = Transformer(config)
@@ -398,4 +400,22 @@ def export_checkpoint(
             )
     except (Exception, CheckpointException) as exc:  # DCP's own are long: keep a line
         raise TrainError(f"{checkpoint}: cannot be read: {first_line(exc, named=True)}") from None
-    return write_hf(wanted, config, out, dtype, max_shard_bytes)
+    return config, wanted
+
+
+def export_checkpoint(
+    checkpoint: str, out: str, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    """A hp-train checkpoint (any layout it was saved from) as an HF directory of its model's
+    family."""
+    from hp_runtime.train.checkpoint import read_meta
+
+    ExportTarget(out)  # a bad --out is refused before the checkpoint is read
+    # The family first: a model that no family is exactly is refused before a tensor is read.
+    config = _stored_model(checkpoint, read_meta(checkpoint))
+    try:
+        export_family(config)
+    except TrainError as exc:
+        raise TrainError(f"{checkpoint}: cannot be exported: {exc}") from None
+    config, weights = read_model(checkpoint)
+    return write_hf(weights, config, out, dtype, max_shard_bytes)

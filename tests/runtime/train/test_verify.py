@@ -1,0 +1,56 @@
+"""`hp-train verify`: a layout trained shrunk against one process, on warm gloo ranks. A sound
+pipeline with tied embeddings passes; the same layout with the tied copies' gradient sum
+removed (the bug class of torchtitan#1750: a layout that quietly trains another model) fails,
+naming a tied tensor."""
+
+from __future__ import annotations
+
+import io
+
+from tests.helpers.distributed import run_ranks
+from tests.helpers.train import FAST
+
+LAYOUT = [
+    *FAST,
+    "model.tie_embeddings=true",
+    "data.type=dummy",
+    "data.seq_length=32",
+    "parallel.pp=2",
+    "train.global_batch_size=4",
+    "optim.lr=1e-2",
+]
+
+
+def _verify_both(rank: int, world: int, run_dir: str) -> list[tuple[bool, str]]:
+    import importlib
+
+    from hp_runtime.train.launch import start
+    from hp_runtime.train.verify import verify
+
+    assemble = importlib.import_module("hp_runtime.parallel.assemble")  # the module, not its def
+    runtime = start("cpu", 1)
+    out = []
+    for broken in (False, True):
+        saved = assemble.sync_tied_grads
+        if broken:  # each stage steps its own copy of the tied weight: they drift apart
+            assemble.sync_tied_grads = lambda *args, **kwargs: None
+        log = io.StringIO()
+        try:
+            same = verify(None, [*LAYOUT, f"train.run_dir={run_dir}"], runtime, 2, stream=log)
+        finally:
+            assemble.sync_tied_grads = saved
+        out.append((same, log.getvalue()))
+    return out
+
+
+def test_verify_passes_a_sound_layout_and_fails_a_broken_one(tmp_path):
+    (sound, sound_log), (broken, broken_log) = run_ranks(_verify_both, 2, str(tmp_path))[0]
+    assert sound, sound_log
+    assert "pp 2 against one process" in sound_log
+    rows = [line for line in sound_log.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row.split("|")[0]) for row in rows] == [1, 2]
+    assert not broken, broken_log
+    assert "the layout DIFFERS from one process" in broken_log
+    worst = broken_log.splitlines()[-2]  # the last row names the tensor that drifted most
+    assert "tok_embeddings.weight" in worst or "output.weight" in worst, broken_log
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # verify's own runs are removed
