@@ -179,7 +179,52 @@ def verify_command(
     sys.exit(0 if same else 1)
 
 
-SUBCOMMANDS = {"plot": plot_command, "export": export_command, "verify": verify_command}
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=str)
+@click.option("--step", "step", type=int, required=True, help="The step to replay up to.")
+@click.option("--dump", type=str, default=None, help="Write step N's per-sample losses here.")
+@click.option("--keep", is_flag=True, help="Keep the replay's run under RUN_DIR/replay-*.")
+@click.argument("overrides", nargs=-1)
+def replay_command(
+    run_dir: str, step: int, dump: str | None, keep: bool, overrides: tuple[str, ...]
+) -> None:
+    """Replay RUN_DIR's steps up to N from the checkpoint before N, on the layout the
+    overrides give, beside the logged losses and gradient norms."""
+    from hp_data.errors import HpDataError
+
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+
+    rank = int(os.environ.get("RANK", "0"))
+    config_path = os.path.join(run_dir, "config.toml")
+    try:
+        config = load_config(config_path, list(overrides)) if os.path.isfile(config_path) else None
+    except ConfigError as exc:
+        _fail(str(exc), 2, rank)
+    if config is None:
+        _fail(f"{run_dir}: no config.toml here: give a hp-train run directory", 1, rank)
+    from hp_runtime.train.launch import start, stop
+    from hp_runtime.train.replay import replay
+
+    try:
+        runtime = start(config.train.device, config.train.cpu_threads)
+        replay(run_dir, step, list(overrides), runtime, dump, keep)
+    except PeerFailed:
+        sys.exit(1)
+    except ConfigError as exc:
+        _fail(str(exc), 2, rank)
+    except (TrainError, HpDataError, OSError) as exc:
+        _fail(str(exc), 1, rank)
+    finally:
+        stop()
+
+
+SUBCOMMANDS = {
+    "plot": plot_command,
+    "export": export_command,
+    "verify": verify_command,
+    "replay": replay_command,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
 
 from hp_runtime.train.config import Config
-from hp_runtime.train.data import BatchPlan, Loader
+from hp_runtime.train.data import Batch, BatchPlan, Loader
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeStop, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals
@@ -114,12 +115,16 @@ class Loop:
         self.step_times: deque[float] = deque(maxlen=5)  # the time limit's margin
         self.signals = StopSignals()
         self.moe = torch.zeros(0, 3)  # the last step's MoE figures, on the device until logged
+        # Called with (step, micro-batches) once a step's gradients are reduced, before they
+        # are clipped (and a pipeline's tied copies summed): `hp-train replay --dump`.
+        self.on_gradients: Callable[[int, list[Batch]], None] | None = None
 
-    def train(self) -> RunResult:
+    def train(self, last: int | None = None) -> RunResult:
+        """Steps up to `last` (default: train.steps; `hp-train replay` stops earlier)."""
         self.metrics.mark(self.state.step)
         try:
             with self.signals:
-                for step in range(self.state.step + 1, self.t.steps + 1):
+                for step in range(self.state.step + 1, (last or self.t.steps) + 1):
                     lr = self.step(step)
                     done = self.maybe_log(step, lr)  # each one that ran is not training time
                     done |= self.maybe_eval(step)
@@ -155,6 +160,8 @@ class Loop:
             save_failed=run.checkpointer.save_failed(),
         )
         loss, stop, self.moe = run.stepper.train_step(micro, count, request.encode())
+        if self.on_gradients is not None:
+            self.on_gradients(step, micro)
         norm = run.assembly.finish_gradients(self.t.max_norm)
         values = torch.stack([loss, norm.float(), stop])
         if state.guard.enabled and self.guard(step, values):

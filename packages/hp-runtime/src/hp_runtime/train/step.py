@@ -33,6 +33,7 @@ from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask
 from hp_runtime.parallel import Assembly
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
 from hp_runtime.train.balance import Balance
+from hp_runtime.train.errors import TrainError
 
 Batch = dict[str, torch.Tensor]
 
@@ -237,6 +238,25 @@ class Stepper:
         )
         total = self._global((local / a.dp_cp_size).float(), shared)
         return total[0], total[1], total[2:].view(-1, 3)
+
+    @torch.no_grad()
+    def sample_losses(self, micro: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy sum, loss tokens) of each sample of this rank's micro-batches, in
+        order, from a forward without a graph: what `hp-train replay --dump` writes. Whole
+        samples only: not under a pipeline or context parallelism, which split them."""
+        if self.assembly.schedule is not None or self.assembly.cp is not None:
+            raise TrainError("per-sample losses need pp = 1 and cp = 1: replay on such a layout")
+        sums, counts = [], []
+        with self._context():
+            for mb in self._documents(micro):
+                losses = self._token_losses(mb)
+                if isinstance(losses, DTensor):  # vocabulary-parallel loss
+                    losses = losses.full_tensor()
+                sums.append(losses.float().sum(dim=1))
+                counts.append(mb["loss_mask"].sum(dim=1).float())
+        if not sums:
+            return torch.zeros(0), torch.zeros(0)
+        return torch.cat(sums), torch.cat(counts)
 
     @torch.no_grad()
     def eval_sums(self, micro: list[Batch], count: int) -> torch.Tensor:
