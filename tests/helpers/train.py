@@ -89,10 +89,15 @@ def hp_train(
 
 
 def torchrun(
-    nproc: int, *args: str, cwd: Path | None = None, timeout: float = 300
+    nproc: int,
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N -m hp_runtime.train ARGS`; on a timeout the
-    launcher and every rank are killed (they share a new session) before raising."""
+    """`torchrun --standalone --nproc-per-node N -m hp_runtime.train ARGS` (with `env` added to
+    this process's environment); on a timeout the launcher and every rank are killed (they
+    share a new session) before raising."""
     command = [
         TORCHRUN,
         f"--nproc-per-node={nproc}",
@@ -101,7 +106,7 @@ def torchrun(
         "hp_runtime.train",
         *map(str, args),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with subprocess.Popen(
         command,
         stdout=subprocess.PIPE,

@@ -49,7 +49,9 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     from hp_runtime.train.loop import train
 
     try:
-        runtime = start(config.train.device, config.train.cpu_threads)
+        runtime = start(
+            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
+        )
     except TrainError as exc:
         _fail(str(exc), 1, rank)
     # The error boundary: a failure that is not a bug reaches the user as one line. One found
@@ -166,7 +168,9 @@ def verify_command(
     from hp_runtime.train.verify import verify
 
     try:
-        runtime = start(config.train.device, config.train.cpu_threads)
+        runtime = start(
+            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
+        )
         same = verify(config_path, list(overrides), runtime, steps, tolerance, keep)
     except PeerFailed:
         sys.exit(1)
@@ -207,7 +211,9 @@ def replay_command(
     from hp_runtime.train.replay import replay
 
     try:
-        runtime = start(config.train.device, config.train.cpu_threads)
+        runtime = start(
+            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
+        )
         replay(run_dir, step, list(overrides), runtime, dump, keep)
     except PeerFailed:
         sys.exit(1)

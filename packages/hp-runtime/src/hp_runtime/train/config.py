@@ -99,6 +99,8 @@ class TrainConfig:
     spike_window: int = 100
     spike_sigma: float = 6.0
     time_limit: float = 0.0  # wall-clock seconds; 0: none
+    hang_timeout_s: float = 0.0  # a step this slow stops the job (train/watchdog.py); 0: auto
+    collective_timeout_s: float = 600.0  # a collective waiting this long fails the job
     loss_chunk_tokens: int = CHUNK_TOKENS  # the head's logits this many at a time; 0: all
 
 
@@ -287,6 +289,8 @@ RANGES: dict[str, Range] = {
     "train.spike_window": _ints(1),
     "train.spike_sigma": POSITIVE,
     "train.time_limit": NON_NEGATIVE,
+    "train.hang_timeout_s": NON_NEGATIVE,
+    "train.collective_timeout_s": POSITIVE,
     "train.loss_chunk_tokens": _ints(0),
     "optim.lr": POSITIVE,
     "optim.min_lr": NON_NEGATIVE,

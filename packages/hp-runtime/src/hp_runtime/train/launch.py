@@ -47,6 +47,8 @@ def start(device: str, cpu_threads: int, timeout_s: float = 600.0) -> Runtime:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
+        # NCCL's flight recorder: what the hang watchdog dumps of the collectives in flight
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         if not torch.cuda.is_available():
             raise TrainError("train.device = 'cuda' but no CUDA device is available")
         torch.cuda.set_device(local_rank)

@@ -25,6 +25,7 @@ from hp_runtime.train.plot import plot_run
 from hp_runtime.train.schedule import lr_at
 from hp_runtime.train.setup import Run, setup
 from hp_runtime.train.step import Stepper
+from hp_runtime.train.watchdog import Watchdog
 
 
 @dataclass
@@ -118,10 +119,14 @@ class Loop:
         # Called with (step, micro-batches) once a step's gradients are reduced, before they
         # are clipped (and a pipeline's tied copies summed): `hp-train replay --dump`.
         self.on_gradients: Callable[[int, list[Batch]], None] | None = None
+        self.watchdog = Watchdog(
+            self.t.run_dir, runtime.rank, runtime.world_size, self.t.hang_timeout_s
+        )
 
     def train(self, last: int | None = None) -> RunResult:
         """Steps up to `last` (default: train.steps; `hp-train replay` stops earlier)."""
         self.metrics.mark(self.state.step)
+        self.watchdog.start()
         try:
             with self.signals:
                 for step in range(self.state.step + 1, (last or self.t.steps) + 1):
@@ -141,6 +146,7 @@ class Loop:
             )
             raise
         finally:
+            self.watchdog.stop()
             self.metrics.close()
         self.plot()
         return self.result
@@ -149,17 +155,20 @@ class Loop:
         """Train one global batch and update (unless the spike guard skips it); its lr."""
         run, state, plan = self.run, self.state, self.run.plan
         step_start = time.perf_counter()
+        self.watchdog.beat(step, "data")
         lr = lr_at(step, self.config.optim, self.t.steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         count = plan.accumulation_at(step)
         micro = self.loader.take(count) if self.loader is not None else []
+        self.watchdog.beat(step, "forward-backward")
         request = StopRequest(
             signal=self.signals.received is not None,
             time_limit=self.near_time_limit(),
             save_failed=run.checkpointer.save_failed(),
         )
         loss, stop, self.moe = run.stepper.train_step(micro, count, request.encode())
+        self.watchdog.beat(step, "update")
         if self.on_gradients is not None:
             self.on_gradients(step, micro)
         norm = run.assembly.finish_gradients(self.t.max_norm)
@@ -175,6 +184,7 @@ class Loop:
         run.checkpointer.poll()
         self.log_commits()
         self.step_times.append(time.perf_counter() - step_start)
+        self.watchdog.step_done(self.step_times[-1])
         return lr
 
     def guard(self, step: int, values: torch.Tensor) -> bool:
