@@ -1,9 +1,11 @@
-"""`hp-train`: train from a TOML config with dotted overrides, or plot a run.
+"""`hp-train`: train from a TOML config with dotted overrides; plot, export, verify, replay.
 
     hp-train --config cfg.toml train.steps=50 optim.lr=3e-4 parallel.dp_shard=2
     torchrun --nproc-per-node 2 -m hp_runtime.train --config cfg.toml parallel.dp_shard=2
     hp-train plot RUN_DIR
     hp-train export RUN_DIR/checkpoints/step-0001000 --out hf-model [--dtype bfloat16]
+    torchrun --nproc-per-node 8 -m hp_runtime.train verify --config cfg.toml
+    hp-train replay RUN_DIR --step 1234 [--dump DIR] [parallel.dp_shard=1 ...]
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
@@ -16,8 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+
+T = TypeVar("T")
 
 
 def _fail(message: str, code: int, rank: int) -> None:
@@ -29,36 +35,43 @@ def _fail(message: str, code: int, rank: int) -> None:
 @click.command(
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Every key is listed in docs/training.md. Subcommands: hp-train plot RUN_DIR; "
-    "hp-train export CHECKPOINT --out DIR.",
+    "hp-train export CHECKPOINT --out DIR; hp-train verify --config FILE; "
+    "hp-train replay RUN_DIR --step N.",
 )
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.argument("overrides", nargs=-1)
 def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     """Train a model: --config FILE plus SECTION.KEY=VALUE overrides."""
-    from hp_data.errors import HpDataError
-
     from hp_runtime.train.config import load_config
-    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+    from hp_runtime.train.errors import ConfigError
 
     rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group comes later
     try:
         config = load_config(config_path, list(overrides))
     except ConfigError as exc:  # before torch loads: a bad config is refused at once
         _fail(str(exc), 2, rank)
-    from hp_runtime.train.launch import start, stop
     from hp_runtime.train.loop import train
 
+    _job(config, lambda runtime: train(config, runtime))
+
+
+def _job(config: Any, body: Callable[[Any], T]) -> T:
+    """`body(runtime)` on this rank's process group, inside the error boundary: a failure
+    that is not a bug reaches the user as one line. One found alike on every rank is reported
+    by rank 0; one a rank found alone (and `agree`d on, so its peers raise PeerFailed) by that
+    rank."""
+    from hp_data.errors import HpDataError
+
+    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+    from hp_runtime.train.launch import start, stop
+
+    t = config.train
     try:
-        runtime = start(
-            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
-        )
+        runtime = start(t.device, t.cpu_threads, t.collective_timeout_s)
     except TrainError as exc:
-        _fail(str(exc), 1, rank)
-    # The error boundary: a failure that is not a bug reaches the user as one line. One found
-    # alike on every rank is reported by rank 0; one a rank found alone (and `agree`d on, so
-    # its peers raise PeerFailed) by that rank.
+        _fail(str(exc), 1, int(os.environ.get("RANK", "0")))
     try:
-        train(config, runtime)
+        return body(runtime)
     except PeerFailed:
         sys.exit(1)
     except ConfigError as exc:  # found alike on every rank once the world size is known
@@ -72,6 +85,7 @@ def train_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
         _fail("interrupted; the last committed checkpoint is kept", 130, runtime.rank)
     finally:
         stop()
+    raise AssertionError("unreachable")  # every branch above returns or exits
 
 
 @click.command()
@@ -154,32 +168,17 @@ def verify_command(
 ) -> None:
     """Train the config's layout, shrunk, against one process; exit 1 if they differ. Launch
     it as the run: torchrun --nproc-per-node N -m hp_runtime.train verify --config FILE."""
-    from hp_data.errors import HpDataError
-
     from hp_runtime.train.config import load_config
-    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+    from hp_runtime.train.errors import ConfigError
 
     rank = int(os.environ.get("RANK", "0"))
     try:  # verify sets train.steps itself: the run's own length is not needed here
         config = load_config(config_path, [*overrides, f"train.steps={steps}"])
     except ConfigError as exc:
         _fail(str(exc), 2, rank)
-    from hp_runtime.train.launch import start, stop
     from hp_runtime.train.verify import verify
 
-    try:
-        runtime = start(
-            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
-        )
-        same = verify(config_path, list(overrides), runtime, steps, tolerance, keep)
-    except PeerFailed:
-        sys.exit(1)
-    except ConfigError as exc:
-        _fail(str(exc), 2, rank)
-    except (TrainError, HpDataError, OSError) as exc:
-        _fail(str(exc), 1, rank)
-    finally:
-        stop()
+    same = _job(config, lambda rt: verify(config_path, list(overrides), rt, steps, tolerance, keep))
     sys.exit(0 if same else 1)
 
 
@@ -194,10 +193,8 @@ def replay_command(
 ) -> None:
     """Replay RUN_DIR's steps up to N from the checkpoint before N, on the layout the
     overrides give, beside the logged losses and gradient norms."""
-    from hp_data.errors import HpDataError
-
     from hp_runtime.train.config import load_config
-    from hp_runtime.train.errors import ConfigError, PeerFailed, TrainError
+    from hp_runtime.train.errors import ConfigError
 
     rank = int(os.environ.get("RANK", "0"))
     config_path = os.path.join(run_dir, "config.toml")
@@ -207,22 +204,9 @@ def replay_command(
         _fail(str(exc), 2, rank)
     if config is None:
         _fail(f"{run_dir}: no config.toml here: give a hp-train run directory", 1, rank)
-    from hp_runtime.train.launch import start, stop
     from hp_runtime.train.replay import replay
 
-    try:
-        runtime = start(
-            config.train.device, config.train.cpu_threads, config.train.collective_timeout_s
-        )
-        replay(run_dir, step, list(overrides), runtime, dump, keep)
-    except PeerFailed:
-        sys.exit(1)
-    except ConfigError as exc:
-        _fail(str(exc), 2, rank)
-    except (TrainError, HpDataError, OSError) as exc:
-        _fail(str(exc), 1, rank)
-    finally:
-        stop()
+    _job(config, lambda runtime: replay(run_dir, step, list(overrides), runtime, dump, keep))
 
 
 SUBCOMMANDS = {
