@@ -54,3 +54,19 @@ def test_verify_passes_a_sound_layout_and_fails_a_broken_one(tmp_path):
     worst = broken_log.splitlines()[-2]  # the last row names the tensor that drifted most
     assert "tok_embeddings.weight" in worst or "output.weight" in worst, broken_log
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # verify's own runs are removed
+
+
+def test_the_shrunk_model_keeps_what_shards():
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.verify import shrink
+
+    given = ["model.preset=qwen3-moe-30b-a3b", "data.type=dummy", "data.seq_length=4096",
+             "train.steps=1", "parallel.tp=4", "parallel.pp=2"]  # fmt: skip
+    config = load_config(None, given)
+    small = load_config(None, [*given, *shrink(config)])
+    m, s = config.model, small.model
+    assert (s.n_heads, s.n_kv_heads, s.vocab_size) == (m.n_heads, m.n_kv_heads, m.vocab_size)
+    assert s.moe.experts == m.moe.experts and s.moe.top_k == m.moe.top_k
+    assert s.dim == m.n_heads * 8 and s.n_layers == 2 and s.moe.expert_ffn_hidden == s.dim
+    assert small.data.seq_length == 128 and small.model.max_seq_len >= 128
+    assert small.train.mixed_precision == "fp32" and small.checkpoint.interval == 1

@@ -137,6 +137,9 @@ class MetricsConfig:
     tensorboard: bool = True  # when the tensorboard package is installed
     plot: bool = True  # RUN_DIR/metrics.png at the end, when matplotlib is installed
     peak_tflops: float | None = None  # per device, dense bf16; default from the GPU table
+    profile_steps: tuple[int, int] | None = None  # [first step, steps]: torch.profiler traces
+    profile_every: int = 0  # the window again every this many steps; 0: once
+    memory_snapshot: bool = False  # CUDA: allocation history, dumped with each trace and at OOM
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep": _ints(0),
     "metrics.log_interval": _ints(1),
     "metrics.peak_tflops": POSITIVE,
+    "metrics.profile_every": _ints(0),
 }
 
 
@@ -359,6 +363,9 @@ def _type_name(kind: Any) -> str:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(kind))
+    if origin is tuple:
+        parts = typing.get_args(kind)
+        return f"a list of {len(parts)} (" + ", ".join(map(_type_name, parts)) + ")"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return names.get(kind, "nothing") if kind is not type(None) else "none"
 
@@ -380,6 +387,11 @@ def _coerce(value: Any, kind: Any) -> Any:
     if origin is Literal:
         if value in typing.get_args(kind):
             return value
+        raise TypeError
+    if origin is tuple:  # a fixed-length list: `metrics.profile_steps = [10, 3]`
+        parts = typing.get_args(kind)
+        if isinstance(value, list | tuple) and len(value) == len(parts):
+            return tuple(_coerce(v, part) for v, part in zip(value, parts, strict=True))
         raise TypeError
     if kind is bool:
         if isinstance(value, bool):
@@ -773,7 +785,23 @@ def check(config: Config) -> None:
             "model.attention = 'segments' reads document boundaries on the host, which a "
             "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
+    check_profile(config.metrics)
     check_moe(config)
+
+
+def check_profile(metrics: MetricsConfig) -> None:
+    """A repeated profile window needs a window, and room for it before the next."""
+    every, window = metrics.profile_every, metrics.profile_steps
+    if every and window is None:
+        raise ConfigError(
+            f"metrics.profile_every={every} repeats metrics.profile_steps, which is not set: "
+            "give metrics.profile_steps = [first step, steps]"
+        )
+    if every and window is not None and every < window[1]:
+        raise ConfigError(
+            f"metrics.profile_every={every} is shorter than the window of "
+            f"metrics.profile_steps = [{window[0]}, {window[1]}]: windows would overlap"
+        )
 
 
 def check_moe(config: Config) -> None:
@@ -825,7 +853,19 @@ def _check_split(split: str) -> None:
 
 
 # Text keys with a form of their own, checked as they are read (as numbers are, by `RANGES`).
-FORMS: dict[str, Callable[[Any], None]] = {"data.split": _check_split}
+def _check_profile(window: tuple[int, int]) -> None:
+    first, count = window
+    if first < 1 or count < 1:
+        raise ConfigError(
+            f"metrics.profile_steps: give [first step, steps], both at least 1, got "
+            f"[{first}, {count}]"
+        )
+
+
+FORMS: dict[str, Callable[[Any], None]] = {
+    "data.split": _check_split,
+    "metrics.profile_steps": _check_profile,
+}
 
 
 def as_table(value: Any) -> dict[str, Any]:
@@ -841,6 +881,8 @@ def toml_value(value: Any) -> str:
         value = as_table(value)
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

@@ -22,6 +22,7 @@ from hp_runtime.train.guard import SpikeStop, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals
 from hp_runtime.train.metrics import LaggedValues
 from hp_runtime.train.plot import plot_run
+from hp_runtime.train.profile import StepProfiler
 from hp_runtime.train.schedule import lr_at
 from hp_runtime.train.setup import Run, setup
 from hp_runtime.train.step import Stepper
@@ -119,6 +120,7 @@ class Loop:
         # Called with (step, micro-batches) once a step's gradients are reduced, before they
         # are clipped (and a pipeline's tied copies summed): `hp-train replay --dump`.
         self.on_gradients: Callable[[int, list[Batch]], None] | None = None
+        self.profiler = StepProfiler(config.metrics, self.t.run_dir, runtime.rank, runtime.device)
         self.watchdog = Watchdog(
             self.t.run_dir, runtime.rank, runtime.world_size, self.t.hang_timeout_s
         )
@@ -145,7 +147,11 @@ class Loop:
                 {"kind": "end", "status": "failed", "step": self.state.step, "reason": str(exc)}
             )
             raise
+        except torch.OutOfMemoryError:
+            self.profiler.out_of_memory()
+            raise
         finally:
+            self.profiler.finish(self.state.step)
             self.watchdog.stop()
             self.metrics.close()
         self.plot()
@@ -156,6 +162,7 @@ class Loop:
         run, state, plan = self.run, self.state, self.run.plan
         step_start = time.perf_counter()
         self.watchdog.beat(step, "data")
+        self.profiler.before(step)
         lr = lr_at(step, self.config.optim, self.t.steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
@@ -185,6 +192,7 @@ class Loop:
         self.log_commits()
         self.step_times.append(time.perf_counter() - step_start)
         self.watchdog.step_done(self.step_times[-1])
+        self.profiler.after(step)
         return lr
 
     def guard(self, step: int, values: torch.Tensor) -> bool:

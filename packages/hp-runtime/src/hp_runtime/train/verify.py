@@ -19,12 +19,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 import torch.distributed as dist
 
-from hp_runtime.train.config import Config, load_config
+from hp_runtime.train.config import Config, load_config, toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime
 
@@ -70,8 +70,8 @@ def shrink(config: Config) -> list[str]:
         "metrics.tensorboard=false",
         "metrics.plot=false",
     ]
-    if m.moe is not None:
-        out.append(f"model.moe.expert_ffn_hidden={dim}")
+    if m.moe is not None:  # a table is set whole
+        out.append(f"model.moe={toml_value(replace(m.moe, expert_ffn_hidden=dim))}")
     return out
 
 
