@@ -168,6 +168,10 @@ ONE_RANK = Runtime(0, 1, 0, 1, torch.device("cpu"))
 
 
 def _numeric(kind) -> bool:
+    """A number, or one or none; a list of numbers (`metrics.profile_steps`) is checked whole,
+    by its own form (config.FORMS)."""
+    if typing.get_origin(kind) is tuple:
+        return False
     return kind in (int, float) or any(_numeric(a) for a in typing.get_args(kind))
 
 
