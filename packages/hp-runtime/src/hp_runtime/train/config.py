@@ -132,6 +132,16 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """`metrics.wandb = {project, name, mode}`: the train and validation records also to
+    Weights & Biases (`hp-runtime[wandb]`)."""
+
+    project: str
+    name: str | None = None  # default: the run directory's name
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: `wandb sync` later
+
+
+@dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
     log_interval: int = 10
     tensorboard: bool = True  # when the tensorboard package is installed
@@ -140,6 +150,7 @@ class MetricsConfig:
     profile_steps: tuple[int, int] | None = None  # [first step, steps]: torch.profiler traces
     profile_every: int = 0  # the window again every this many steps; 0: once
     memory_snapshot: bool = False  # CUDA: allocation history, dumped with each trace and at OOM
+    wandb: WandbConfig | None = None
 
 
 @dataclass(frozen=True)

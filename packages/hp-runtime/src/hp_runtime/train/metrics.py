@@ -173,6 +173,8 @@ class MetricsLog:
         started: float | None = None,
         moe_layers: tuple[int, ...] = (),
         moe_aux_loss: bool = False,
+        wandb: Any = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.is_main, self.device, self.steps = is_main, device, steps
         self.throughput = throughput
@@ -181,6 +183,7 @@ class MetricsLog:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8") if is_main else None  # noqa: SIM115
         self._writer = self._tensorboard(run_dir) if is_main and tensorboard else None
+        self._wandb = self._wandb_log(wandb, run_dir, settings or {}) if is_main and wandb else None
         self._mark_time = time.perf_counter()
         self._mark_step = 0
         self._started = started if started is not None else self._mark_time  # elapsed_s from it
@@ -196,6 +199,19 @@ class MetricsLog:
             return None
         return SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
+    def _wandb_log(self, config: Any, run_dir: str, settings: dict[str, Any]) -> Any:
+        """`metrics.wandb`'s log (`WandbConfig`), or None with a notice when wandb is missing."""
+        try:
+            from hp_runtime.train.wandb_log import WandbLog
+
+            return WandbLog(config, run_dir, settings)
+        except ImportError:
+            self.say(
+                "metrics: wandb is not installed, so metrics.wandb logs nothing "
+                "(pip install 'hp-runtime[wandb]')"
+            )
+            return None
+
     def say(self, line: str) -> None:
         if self.is_main:
             print(line, file=self.stream, flush=True)
@@ -204,6 +220,8 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def mark(self, step: int) -> None:
         """Start a new interval at `step` (after a resume, a validation or a checkpoint, whose
@@ -298,6 +316,9 @@ class MetricsLog:
                 self._writer.add_scalar(name, value, step)
 
     def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._writer is not None:
             self._writer.close()
         if self._file is not None:

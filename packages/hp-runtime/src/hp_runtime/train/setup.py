@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import tomllib
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -311,6 +312,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         started,
         moe_layers=tuple(stepper.moe_layers),
         moe_aux_loss=model.moe is not None and model.moe.load_balance == "aux_loss",
+        wandb=config.metrics.wandb,
+        settings=tomllib.loads(to_toml(config)),  # redacted, as config.toml is
     )
     if resumed is not None:
         metrics.write(
