@@ -241,7 +241,8 @@ def state_change(saved: dict[str, Any], current: dict[str, Any], step: int) -> s
                 return f"{where} begins by step {step}, before the checkpoint"
             if b is None:
                 return f"{where} no longer begins by step {step}, before the checkpoint"
-            return f"{where} changed before the checkpoint's step {step}"
+            was = f"from step {a['from_step']}, {a['path']!r}, seq_length {a['seq_length']}"
+            return f"{where} is not the checkpoint's phase {p} ({was}), begun by its step {step}"
     saved_streams = {(s["prefix"], s["seq_length"]): s for s in saved.get("streams", [])}
     now_streams = {(s["prefix"], s["seq_length"]): s for s in current["streams"]}
     for key in sorted(set(saved_streams) | set(now_streams)):
@@ -295,6 +296,18 @@ def _start_steps(
     return out
 
 
+def resolve_starts(
+    phases: Sequence[Phase], seq_length: int, cumulative: np.ndarray, key: str = "phases"
+) -> list[int]:
+    """Each phase's first step (steps + 1 for one the run never reaches) in a run whose step
+    s ends after `cumulative[s]` samples, `seq_length` the length of phases without one;
+    an HpDataError naming `key[i].FIELD` when they do not start at step 1 and in order."""
+    if not phases:
+        raise HpDataError(f"{key}: give at least one phase")
+    lengths = [phase.seq_length or seq_length for phase in phases]
+    return _start_steps(phases, lengths, np.asarray(cumulative, dtype=np.int64), key)
+
+
 def _tokens_before(starts: list[int], seq_lengths: list[int], cumulative: np.ndarray) -> int:
     """Tokens trained before the last phase in `starts` begins."""
     total = 0
@@ -312,12 +325,10 @@ def plan_phases(
     """The accounting of `phases` over a run whose step s ends after `cumulative[s]` samples
     (int64, [steps + 1]); `config` shapes the samples (its `seq_length` for phases without
     one). Blend indices come from `config.cache_dir`. Messages name fields as `key[i].FIELD`."""
-    if not phases:
-        raise HpDataError(f"{key}: give at least one phase")
     cumulative = np.asarray(cumulative, dtype=np.int64)
     steps = len(cumulative) - 1
     seq_lengths = [phase.seq_length or config.seq_length for phase in phases]
-    start_steps = _start_steps(phases, seq_lengths, cumulative, key)
+    start_steps = resolve_starts(phases, config.seq_length, cumulative, key)
     starts = [int(cumulative[s - 1]) for s in start_steps] + [int(cumulative[-1])]
     streams: list[Stream] = []
     numbers: dict[tuple[str, int], int] = {}
@@ -612,5 +623,6 @@ __all__ = [
     "mix_report",
     "plan_phases",
     "report_table",
+    "resolve_starts",
     "state_change",
 ]

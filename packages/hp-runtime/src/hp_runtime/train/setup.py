@@ -9,10 +9,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+import numpy as np
 import torch
+from hp_data.phases import PhasedDataset, PhasePlan
 from hp_data.redact import redact_data
 
 from hp_runtime import __version__
+from hp_runtime.model import ModelConfig
 from hp_runtime.parallel import Assembly, assemble
 from hp_runtime.train.checkpoint import (
     DATA_KEYS,
@@ -103,6 +106,17 @@ def write_config(config: Config, run_dir: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def phase_rates(phases: PhasePlan, model: ModelConfig) -> np.ndarray:
+    """float64 [steps + 1, 2]: tokens and FLOPs by the end of each step of a phased run, each
+    step at its phase's length (tokens/s and MFU count what each step trained)."""
+    lengths = phases.step_seq_lengths()
+    samples = np.concatenate(([0], np.diff(phases.cumulative)))
+    unique, inverse = np.unique(lengths, return_inverse=True)
+    per_token = np.array([model.flops_per_token(int(n)) for n in unique], dtype=np.float64)
+    tokens = (samples * lengths).astype(np.float64)
+    return np.stack([np.cumsum(tokens), np.cumsum(tokens * per_token[inverse])], axis=1)
+
+
 def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
     d = config.data
     return {
@@ -149,6 +163,7 @@ def resume(
                 state.plan.global_batch_size,
                 datasets.identity,
                 say if runtime.is_main else lambda _: None,
+                state.mixture,
             )
             outcome = None
         except TrainError as exc:
@@ -246,6 +261,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
     )
     guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
     state = TrainState(assembly.modules, optimizer, plan, guard)
+    if isinstance(datasets.train, PhasedDataset):
+        state.mixture = datasets.train.plan.state_at
     checkpointer.clean()
     load_start = time.perf_counter()
     resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)
@@ -299,6 +316,9 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         runtime.world_size,
         model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
         peak_tflops(runtime.device, config.metrics.peak_tflops),
+        phase_rates(datasets.train.plan, model)
+        if isinstance(datasets.train, PhasedDataset)
+        else None,
     )
     metrics = MetricsLog(
         t.run_dir,
