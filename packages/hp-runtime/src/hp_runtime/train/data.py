@@ -24,7 +24,7 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
-from hp_data.phases import PhasedDataset, build_phased
+from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases
 from hp_data.registry import (
     build_dataset,
     dataset_identity,
@@ -286,6 +286,23 @@ def phased(data: DataConfig, plan: BatchPlan, steps: int) -> PhasedDataset:
     """The train split of `[[data.phases]]`: `plan.samples_after(steps)` samples."""
     shaped = replace(data, split=split_shares(data))
     return build_phased(data.phases, shaped, plan.cumulative_samples(steps), "data.phases")
+
+
+def mixture_report(config: Config) -> dict[str, Any]:
+    """`hp-train mix-report`: `hp_data.phases.mix_report` of the config's phases, counted
+    as the run counts them (its batch plan, its index cache) without reading a token."""
+    if not config.data.phases:
+        raise ConfigError(
+            "data.phases: mix-report reports the phases of a run, and this config gives none"
+        )
+    data = split_configs(config, config.train.run_dir, validation=False)["train"]
+    shaped = replace(data, split=split_shares(data))
+    cumulative = batch_plan(config).cumulative_samples(config.train.steps)
+    try:
+        plan = plan_phases(data.phases, shaped, cumulative, "data.phases")
+    except HpDataError as exc:
+        raise TrainError(str(exc)) from None
+    return mix_report(plan)
 
 
 class _Prefetch:
