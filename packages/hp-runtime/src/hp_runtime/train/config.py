@@ -791,8 +791,8 @@ def check_length(key: str, length: int, config: Config) -> None:
 
 
 def check_phases(config: Config) -> None:
-    """`[[data.phases]]` against the other keys, and where each phase starts (from the batch
-    plan: `from_tokens` needs each step's samples)."""
+    """`[[data.phases]]` against the other keys (where each starts needs the batch plan:
+    `hp_runtime.train.data.phase_starts`)."""
     data = config.data
     if not data.phases:
         return
@@ -816,16 +816,6 @@ def check_phases(config: Config) -> None:
             f"{config.parallel.pp}: a pipeline's stages keep the shapes of its first step; "
             "give every phase one seq_length, or parallel.pp = 1"
         )
-    from hp_data.phases import resolve_starts
-
-    from hp_runtime.train.data import batch_plan  # imports this module: here, not at the top
-
-    steps = config.train.steps
-    cumulative = batch_plan(config).cumulative_samples(steps)
-    try:
-        resolve_starts(data.phases, data.seq_length, cumulative, "data.phases")
-    except HpDataError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def check_moe(config: Config) -> None:

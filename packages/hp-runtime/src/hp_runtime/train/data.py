@@ -24,7 +24,7 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
-from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases
+from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases, resolve_starts
 from hp_data.registry import (
     build_dataset,
     dataset_identity,
@@ -288,6 +288,16 @@ def phased(data: DataConfig, plan: BatchPlan, steps: int) -> PhasedDataset:
     return build_phased(data.phases, shaped, plan.cumulative_samples(steps), "data.phases")
 
 
+def phase_starts(config: Config, plan: BatchPlan) -> list[int]:
+    """Each of `[[data.phases]]`'s first step, checked to start the run and in order (a
+    `from_tokens` needs each step's samples); a ConfigError naming the phase."""
+    cumulative = plan.cumulative_samples(config.train.steps)
+    try:
+        return resolve_starts(config.data.phases, config.data.seq_length, cumulative, "data.phases")
+    except HpDataError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def mixture_report(config: Config) -> dict[str, Any]:
     """`hp-train mix-report`: `hp_data.phases.mix_report` of the config's phases, counted
     as the run counts them (its batch plan, its index cache) without reading a token."""
@@ -297,12 +307,14 @@ def mixture_report(config: Config) -> dict[str, Any]:
         )
     data = split_configs(config, config.train.run_dir, validation=False)["train"]
     shaped = replace(data, split=split_shares(data))
-    cumulative = batch_plan(config).cumulative_samples(config.train.steps)
+    plan = batch_plan(config)
+    phase_starts(config, plan)
+    cumulative = plan.cumulative_samples(config.train.steps)
     try:
-        plan = plan_phases(data.phases, shaped, cumulative, "data.phases")
+        phases = plan_phases(data.phases, shaped, cumulative, "data.phases")
     except HpDataError as exc:
         raise TrainError(str(exc)) from None
-    return mix_report(plan)
+    return mix_report(phases)
 
 
 class _Prefetch:

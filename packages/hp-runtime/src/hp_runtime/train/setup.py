@@ -32,6 +32,7 @@ from hp_runtime.train.data import (
     Loader,
     batch_plan,
     build_datasets,
+    phase_starts,
 )
 from hp_runtime.train.errors import ConfigError, TrainError
 from hp_runtime.train.guard import SpikeGuard
@@ -75,7 +76,10 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
             f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
             f"FlexAttention's forward only there): use 'auto' or 'segments'"
         )
-    return batch_plan(config)
+    plan = batch_plan(config)
+    if config.data.phases:
+        phase_starts(config, plan)
+    return plan
 
 
 def build_assembly(
