@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hp_data import IndexedDatasetBuilder
 from hp_data.blend import build_split
 from hp_data.errors import HpDataError
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
@@ -20,6 +19,8 @@ from hp_data.phases import (
     state_change,
 )
 
+from tests.helpers.corpus import largest_error, write_documents
+
 SEQ = 16
 
 
@@ -28,32 +29,17 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     """Three corpora: `big` and `other` of a few hundred documents (hundreds of samples an
     epoch), `small` of a few dozen (a run wraps around it)."""
     root = tmp_path_factory.mktemp("phases")
-    rng = np.random.default_rng(24)
-    out = {}
-    for name, documents in (("big", 300), ("other", 300), ("small", 30)):
-        with IndexedDatasetBuilder(str(root / name), np.uint16) as builder:
-            for _ in range(documents):
-                document = rng.integers(1, 1000, int(rng.integers(4, 40)))
-                builder.add_document(document, [len(document)])
-        out[name] = str(root / name)
+    sizes = {"big": 300, "other": 300, "small": 30}
+    out = {
+        n: write_documents(str(root / n), count, 1000, k)
+        for k, (n, count) in enumerate(sizes.items())
+    }
     out["cache"] = str(root / "cache")
     return out
 
 
 def _config(corpora, seq: int = SEQ) -> GPTDatasetConfig:
     return GPTDatasetConfig(seq_length=seq, seed=7, split="1,0,0", cache_dir=corpora["cache"])
-
-
-def largest_error(weights: list[float], size: int) -> list[int]:
-    """Megatron's blending rule, the obvious way: sample i goes to the first dataset with the
-    largest `w * max(i, 1) - taken`."""
-    taken, out = [0] * len(weights), []
-    for i in range(size):
-        errors = [w * max(i, 1) - t for w, t in zip(weights, taken, strict=True)]
-        k = errors.index(max(errors))
-        out.append(k)
-        taken[k] += 1
-    return out
 
 
 _epochs: dict[tuple[str, int, int], GPTDataset] = {}

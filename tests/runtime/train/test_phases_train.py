@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hp_data import IndexedDatasetBuilder
 
+from tests.helpers.corpus import largest_error, write_documents
 from tests.helpers.train import FAST, hp_train_here, train_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -22,15 +22,11 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("phase-corpora")
-    rng = np.random.default_rng(5)
-    out = {}
-    for name, documents in (("big", 300), ("other", 200), ("small", 20)):
-        with IndexedDatasetBuilder(str(root / name), np.uint16) as builder:
-            for _ in range(documents):
-                document = rng.integers(1, 250, int(rng.integers(4, 40)))
-                builder.add_document(document, [len(document)])
-        out[name] = str(root / name)
-    return out
+    sizes = {"big": 300, "other": 200, "small": 20}
+    return {
+        n: write_documents(str(root / n), count, 250, k)
+        for k, (n, count) in enumerate(sizes.items())
+    }
 
 
 def _phases(*entries: tuple[int, str] | tuple[int, str, int]) -> str:
@@ -174,16 +170,6 @@ def test_bad_phases_are_one_line_each(corpora, tmp_path):
     )
     kind = _refusal([*base, phase, "data.type=json_file", "data.tokenizer=x", "data.path=y"])
     assert kind.startswith("data.phases: only with data.type = 'megatron'")
-
-
-def largest_error(weights: list[float], size: int) -> list[int]:
-    """Megatron's rule, the obvious way."""
-    taken, out = [0] * len(weights), []
-    for i in range(size):
-        errors = [w * max(i, 1) - t for w, t in zip(weights, taken, strict=True)]
-        out.append(errors.index(max(errors)))
-        taken[out[-1]] += 1
-    return out
 
 
 def test_mix_report_counts_as_the_hand_count(corpora, tmp_path):
