@@ -76,3 +76,24 @@ def write_with_megatron(prefix: str, corpus: Corpus, multimodal: bool = False):
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
+
+
+def write_documents(prefix: str, documents: int, high: int, seed: int) -> str:
+    """A uint16 corpus of `documents` documents of 4 to 39 ids from 1 to `high - 1`."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for _ in range(documents):
+            document = rng.integers(1, high, int(rng.integers(4, 40)))
+            builder.add_document(document, [len(document)])
+    return prefix
+
+
+def largest_error(weights: list[float], size: int) -> list[int]:
+    """megatron's blending rule written the obvious way, as the independent count of blend
+    tests: sample i goes to the first dataset with the largest `w * max(i, 1) - taken`."""
+    taken, out = [0] * len(weights), []
+    for i in range(size):
+        errors = [w * max(i, 1) - t for w, t in zip(weights, taken, strict=True)]
+        out.append(errors.index(max(errors)))
+        taken[out[-1]] += 1
+    return out

@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 # The Python API of `hp-data preprocess`, imported on first use: the pipeline brings
 # tokenizers and multiprocessing, which the other commands never need.
 _PIPELINE = ("preprocess", "PreprocessOptions", "PreprocessSummary")
+# Data-mixture phases, likewise on first use (they bring the GPT and blend modules).
+_PHASES = ("Phase", "PhasedDataset", "build_phased", "mix_report", "plan_phases")
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from hp_data import pipeline
 
         return getattr(pipeline, name)
+    if name in _PHASES:
+        from hp_data import phases
+
+        return getattr(phases, name)
     raise AttributeError(f"module 'hp_data' has no attribute {name!r}")
 
 
@@ -31,13 +37,18 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "IndexedDatasetError",
+    "Phase",
+    "PhasedDataset",
     "PreprocessError",
     "PreprocessOptions",
     "PreprocessSummary",
     "__version__",
     "build_blending_indices",
+    "build_phased",
     "build_sample_index",
     "merge_datasets",
+    "mix_report",
     "optimal_dtype",
+    "plan_phases",
     "preprocess",
 ]

@@ -89,6 +89,15 @@ def _blend_problem(arrays: dict[str, np.ndarray], size: int, count: int) -> str 
     return None
 
 
+def blend_counts(dataset_index: np.ndarray, count: int) -> np.ndarray:
+    """int64 [count]: the samples each dataset gives in `dataset_index`. By chunks: bincount
+    widens int16 ids to int64, 8 bytes a sample for the whole blend."""
+    counts = np.zeros(count, dtype=np.int64)
+    for first in range(0, len(dataset_index), 1 << 20):
+        counts += np.bincount(dataset_index[first : first + (1 << 20)], minlength=count)
+    return counts
+
+
 class BlendableDataset:
     """Samples from several datasets mixed by weight with the largest-error rule.
 
@@ -136,11 +145,7 @@ class BlendableDataset:
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
-        # By chunks: bincount widens int16 ids to int64, 8 bytes a sample for the whole blend.
-        counts = np.zeros(len(datasets), dtype=np.int64)
-        for first in range(0, len(self.dataset_index), 1 << 20):
-            part = self.dataset_index[first : first + (1 << 20)]
-            counts += np.bincount(part, minlength=len(datasets))
+        counts = blend_counts(self.dataset_index, len(datasets))
         self._wrap = np.array([len(d) for d in datasets], dtype=np.int64)
         for k, (count, dataset) in enumerate(zip(counts, datasets, strict=True)):
             if count <= len(dataset):

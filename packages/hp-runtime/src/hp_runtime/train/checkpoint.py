@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from hp_data.errors import first_line
 from hp_data.format.commit import fsync_path
+from hp_data.phases import state_change
 from hp_data.redact import redact_data
 from hp_data.registry import same_samples
 from torch.distributed.checkpoint.api import CheckpointException
@@ -144,6 +145,14 @@ def read_meta(path: str) -> dict[str, Any]:
             raise CheckpointError(f"{file}: field 'guard.{key}' is not a list of numbers")
     if not isinstance(meta.get("run_id", ""), str):
         raise CheckpointError(f"{file}: field 'run_id' is not a string")
+    mixture = meta.get("mixture", {})  # with data.phases: phases begun, per-stream counts
+    if not (
+        isinstance(mixture, dict)
+        and isinstance(mixture.get("phases", []), list)
+        and isinstance(mixture.get("streams", []), list)
+        and all(isinstance(p, dict) for p in mixture.get("phases", []) + mixture.get("streams", []))
+    ):
+        raise CheckpointError(f"{file}: field 'mixture' is not the phases and streams of a run")
     try:
         saved = tomllib.loads(meta["config"])
     except tomllib.TOMLDecodeError as exc:
@@ -631,9 +640,12 @@ def check_compatible(
     global_batch_size: int,
     identity: dict[str, Any],
     warn: Callable[[str], None],
+    mixture: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> None:
     """Refuse a resume that would not continue the same run: another model, another global
-    batch size, or other data (unless `checkpoint.allow_data_change`), naming what changed."""
+    batch size, or other data (unless `checkpoint.allow_data_change`), naming what changed.
+    With `data.phases`, `mixture` (`PhasePlan.state_at`) says what this config trained by
+    the checkpoint's step: a phase changed after it is the same run, one before is not."""
     check_model(path, meta, config.model)
     check_optimizer(path, meta, config)
     saved_gbs = meta["global_batch_size"]
@@ -653,6 +665,10 @@ def check_compatible(
     # A pipeline's middle stages read no data and hold no identity: the others compare.
     if not changes and identity and not same_samples(saved["fingerprint"], identity):
         changes = ["the corpus files behind the data paths changed"]
+    if not changes and mixture is not None and "mixture" in meta:
+        now_mix = mixture(meta["step"], meta["consumed_samples"])
+        reason = state_change(meta["mixture"], now_mix, meta["step"])
+        changes = [] if reason is None else [reason]
     if not changes:
         return
     message = f"{'; '.join(changes)} since {path}"

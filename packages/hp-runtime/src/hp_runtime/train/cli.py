@@ -6,6 +6,7 @@
     hp-train export RUN_DIR/checkpoints/step-0001000 --out hf-model [--dtype bfloat16]
     torchrun --nproc-per-node 8 -m hp_runtime.train verify --config cfg.toml
     hp-train replay RUN_DIR --step 1234 [--dump DIR] [parallel.dp_shard=1 ...]
+    hp-train mix-report --config cfg.toml [KEY=VALUE ...] [--json]
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
@@ -36,7 +37,7 @@ def _fail(message: str, code: int, rank: int) -> None:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Every key is listed in docs/training.md. Subcommands: hp-train plot RUN_DIR; "
     "hp-train export CHECKPOINT --out DIR; hp-train verify --config FILE; "
-    "hp-train replay RUN_DIR --step N.",
+    "hp-train replay RUN_DIR --step N; hp-train mix-report --config FILE [--json].",
 )
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.argument("overrides", nargs=-1)
@@ -209,11 +210,41 @@ def replay_command(
     _job(config, lambda runtime: replay(run_dir, step, list(overrides), runtime, dump, keep))
 
 
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=str, required=True, help="The run's TOML file.")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON (docs/training.md).")
+@click.argument("overrides", nargs=-1)
+def mix_report_command(config_path: str, as_json: bool, overrides: tuple[str, ...]) -> None:
+    """Per data phase and corpus: samples, tokens, epochs, repeats, where each corpus wraps
+    around; read from the config alone (no ranks, no training)."""
+    import json
+
+    from hp_data.errors import HpDataError
+    from hp_data.phases import report_table
+
+    from hp_runtime.train.config import check_paths, load_config
+    from hp_runtime.train.data import mixture_report
+    from hp_runtime.train.errors import ConfigError, TrainError
+
+    try:
+        config = load_config(config_path, list(overrides))
+        check_paths(config)
+        report = mixture_report(config)
+    except ConfigError as exc:
+        _fail(str(exc), 2, 0)
+    except (TrainError, HpDataError) as exc:
+        _fail(str(exc), 1, 0)
+    except OSError as exc:
+        _fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", 1, 0)
+    click.echo(json.dumps(report, indent=2) if as_json else report_table(report))
+
+
 SUBCOMMANDS = {
     "plot": plot_command,
     "export": export_command,
     "verify": verify_command,
     "replay": replay_command,
+    "mix-report": mix_report_command,
 }
 
 

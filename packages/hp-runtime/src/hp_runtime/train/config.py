@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from hp_data.errors import HpDataError
 from hp_data.gpt import MAX_SEQ_LENGTH
+from hp_data.phases import Phase, PhaseError
 from hp_data.redact import redact
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig, dataset_type
 
@@ -58,6 +59,7 @@ class DataConfig(DatasetConfig):
         "seq_length",
         "split",
         "valid_path",
+        "phases",
         "seed",
         "cache_dir",
         "eod_mask_loss",
@@ -71,6 +73,7 @@ class DataConfig(DatasetConfig):
 
     type: Literal[tuple(DATASET_REGISTRY)]  # hp-data's dataset types
     valid_path: str | None = None  # a separate validation corpus, used whole
+    phases: tuple[Phase, ...] = ()  # [[data.phases]]: the mixture by step, instead of path
     document_masking: bool = False  # attention stays inside documents (from position ids)
     num_workers: int | None = None  # DataLoader workers; default 1 on a multi-core machine
     prefetch_factor: int = 4  # micro-batches each worker keeps ready
@@ -370,6 +373,8 @@ def _type_name(kind: Any) -> str:
     if dataclasses.is_dataclass(kind):
         return "a table {" + ", ".join(_key_types(kind)) + "}"
     origin = typing.get_origin(kind)
+    if origin is tuple:
+        return "an array of tables {" + ", ".join(_key_types(typing.get_args(kind)[0])) + "}"
     if origin is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
     if origin in (typing.Union, types.UnionType):
@@ -507,6 +512,11 @@ def _value(key: str, kind: Any, value: Any) -> Any:
     table = _table_class(kind)
     if table is not None and isinstance(value, dict):
         return _table(key, table, value)
+    if typing.get_origin(kind) is tuple:  # an array of tables ([[data.phases]])
+        if not isinstance(value, list | tuple) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{key}: expected {_type_name(kind)}, got {_shown(value)}")
+        item = typing.get_args(kind)[0]
+        return tuple(_table(f"{key}[{i}]", item, v) for i, v in enumerate(value))
     if table is not None and value == "none":  # TOML has no null: a preset's table unset
         value = None
     try:
@@ -542,7 +552,7 @@ def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
     typed = {name: _value(f"{key}.{name}", kinds[name], value) for name, value in values.items()}
     try:
         return cls(**{f.name: typed[key_of(f)] for f in key_fields(cls) if key_of(f) in typed})
-    except FieldError as exc:
+    except (FieldError, PhaseError) as exc:
         raise ConfigError(f"{key}.{exc.field}: {exc.problem}, got {exc.value!r}") from None
 
 
@@ -719,6 +729,8 @@ def check_paths(config: Config) -> None:
             spec = getattr(data, key.split(".")[1])
             if spec is not None:
                 _need_corpus(key, config, spec)
+        for i, phase in enumerate(data.phases):
+            _need_corpus(f"data.phases[{i}].path", config, phase.path)
     if dataset_type(data.type).needs_tokenizer and data.tokenizer is not None:
         from hp_data.tokenize import TokenizerFiles
 
@@ -740,34 +752,11 @@ def check(config: Config) -> None:
     as it is read, from `RANGES`)."""
     data = config.data
     kind = dataset_type(data.type)
-    if kind.needs_path and not data.path:
+    if kind.needs_path and not data.path and not data.phases:
         raise ConfigError(f"data.path: required for data.type = {data.type!r}")
     if kind.needs_tokenizer and not data.tokenizer:
         raise ConfigError(f"data.tokenizer: required for data.type = {data.type!r}")
-    if data.seq_length > config.model.max_seq_len:
-        raise ConfigError(
-            f"data.seq_length={data.seq_length} is longer than model.max_seq_len="
-            f"{config.model.max_seq_len}; raise model.max_seq_len or shorten the sequences"
-        )
-    cp = config.parallel.cp
-    if cp > 1 and data.seq_length % (2 * cp):
-        raise ConfigError(
-            f"data.seq_length={data.seq_length} does not divide into 2 x parallel.cp = {2 * cp} "
-            f"equal chunks (context parallelism gives each rank two); make it a multiple of "
-            f"{2 * cp}"
-        )
-    tp = config.parallel.tp
-    if cp == 1 and data.seq_length % tp:
-        raise ConfigError(
-            f"data.seq_length={data.seq_length} is not divisible by parallel.tp="
-            f"{tp} (sequence parallel splits the sequence)"
-        )
-    if cp > 1 and (data.seq_length // cp) % tp:
-        raise ConfigError(
-            f"data.seq_length={data.seq_length} / parallel.cp={cp} = {data.seq_length // cp} "
-            f"rows a context-parallel rank, not divisible by parallel.tp={tp} (sequence "
-            f"parallel splits them); make data.seq_length a multiple of {math.lcm(2 * cp, cp * tp)}"
-        )
+    check_length("data.seq_length", data.seq_length, config)
     vocab = config.model.vocab_size
     if data.eod_token is not None and not 0 <= data.eod_token < vocab:
         raise ConfigError(
@@ -798,6 +787,63 @@ def check(config: Config) -> None:
         )
     check_profile(config.metrics)
     check_moe(config)
+    check_phases(config)
+
+
+def check_length(key: str, length: int, config: Config) -> None:
+    """A sequence length (`data.seq_length`, a phase's) against the model and the layout."""
+    if length > config.model.max_seq_len:
+        raise ConfigError(
+            f"{key}={length} is longer than model.max_seq_len="
+            f"{config.model.max_seq_len}; raise model.max_seq_len or shorten the sequences"
+        )
+    cp = config.parallel.cp
+    if cp > 1 and length % (2 * cp):
+        raise ConfigError(
+            f"{key}={length} does not divide into 2 x parallel.cp = {2 * cp} "
+            f"equal chunks (context parallelism gives each rank two); make it a multiple of "
+            f"{2 * cp}"
+        )
+    tp = config.parallel.tp
+    if cp == 1 and length % tp:
+        raise ConfigError(
+            f"{key}={length} is not divisible by parallel.tp="
+            f"{tp} (sequence parallel splits the sequence)"
+        )
+    if cp > 1 and (length // cp) % tp:
+        raise ConfigError(
+            f"{key}={length} / parallel.cp={cp} = {length // cp} "
+            f"rows a context-parallel rank, not divisible by parallel.tp={tp} (sequence "
+            f"parallel splits them); make {key} a multiple of {math.lcm(2 * cp, cp * tp)}"
+        )
+
+
+def check_phases(config: Config) -> None:
+    """`[[data.phases]]` against the other keys (where each starts needs the batch plan:
+    `hp_runtime.train.data.phase_starts`)."""
+    data = config.data
+    if not data.phases:
+        return
+    if data.type != "megatron":
+        raise ConfigError(
+            f"data.phases: only with data.type = 'megatron' (each phase names a prefix or a "
+            f"blend), not {data.type!r}"
+        )
+    if data.path is not None:
+        raise ConfigError(
+            "data.path: not with data.phases, which say what trains: move it into a phase "
+            "(validation reads data.valid_path, else the first phase's valid share)"
+        )
+    for i, phase in enumerate(data.phases):
+        if phase.seq_length is not None:
+            check_length(f"data.phases[{i}].seq_length", phase.seq_length, config)
+    lengths = {phase.seq_length or data.seq_length for phase in data.phases}
+    if config.parallel.pp > 1 and len(lengths) > 1:
+        raise ConfigError(
+            f"data.phases: sequence lengths {sorted(lengths)} with parallel.pp="
+            f"{config.parallel.pp}: a pipeline's stages keep the shapes of its first step; "
+            "give every phase one seq_length, or parallel.pp = 1"
+        )
 
 
 def check_profile(metrics: MetricsConfig) -> None:
@@ -890,9 +936,10 @@ def toml_value(value: Any) -> str:
         return '"none"'
     if dataclasses.is_dataclass(value):
         value = as_table(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, tuple | list):
+    if isinstance(value, dict):  # TOML has no null: a none field of a table is left out
+        items = [f"{k} = {toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"

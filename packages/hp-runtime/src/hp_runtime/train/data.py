@@ -24,12 +24,14 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
+from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases, resolve_starts
 from hp_data.registry import (
     build_dataset,
     dataset_identity,
     dataset_type,
     document_end,
     has_split,
+    split_shares,
 )
 from hp_data.sampler import PretrainingSampler
 from hp_data.token_ids import token_ids
@@ -112,7 +114,8 @@ def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, D
     """The data config each split is built from: `[data]` itself, its index cache under
     RUN_DIR unless `data.cache_dir` says otherwise and `dummy` ids below `model.vocab_size`;
     validation (when `validation`) from `data.valid_path`, used whole, when one is given, else
-    from the valid share of `data.path`, which must have one."""
+    from the valid share of `data.path` (with `data.phases`: the first phase's path), which
+    must have one."""
     d = config.data
     d = replace(
         d,
@@ -121,7 +124,8 @@ def split_configs(config: Config, run_dir: str, validation: bool) -> dict[str, D
     )
     configs = {"train": d}
     if validation:
-        configs["valid"] = replace(d, path=d.valid_path, split="0,1,0") if d.valid_path else d
+        first = replace(d, path=d.phases[0].path) if d.phases else d
+        configs["valid"] = replace(d, path=d.valid_path, split="0,1,0") if d.valid_path else first
         if not has_split(configs["valid"], "valid"):
             raise ConfigError(
                 f"train.eval_interval={config.train.eval_interval} needs validation data: give "
@@ -206,8 +210,13 @@ def check_data(config: Config, configs: dict[str, DataConfig]) -> dict[str, Data
     out = {}
     for split, part in configs.items():
         key = "data.valid_path" if split == "valid" and d.valid_path else "data.path"
+        specs = [(key, part.path)]
+        if split == "train" and d.phases:
+            specs = [(f"data.phases[{i}].path", phase.path) for i, phase in enumerate(d.phases)]
+        if split == "valid" and d.phases and not d.valid_path:
+            specs = [("data.phases[0].path", part.path)]
         recorded = {}
-        for prefix in _prefixes(key, part.path):  # type: ignore[arg-type]
+        for prefix in (p for k, spec in specs for p in _prefixes(k, spec)):  # type: ignore[arg-type]
             found = token_ids(prefix, part.cache_dir, limit)
             recorded[prefix] = found.metadata
             if found.largest is not None and found.largest >= limit:
@@ -244,6 +253,9 @@ def build_datasets(
     def build() -> None:
         configs.update(check_data(config, configs))
         for split, part in configs.items():
+            if split == "train" and part.phases:
+                built[split] = phased(part, plan, config.train.steps)
+                continue
             built[split] = build_dataset(part, split, counts[split])
         needs = _needs_eod(config)
         if needs and document_end(built["train"], configs["train"]) is None:
@@ -268,6 +280,41 @@ def build_datasets(
     keys = {split: dataset_identity(built[split], configs[split], split) for split in built}
     eod = document_end(built["train"], configs["train"]) if "train" in built else None
     return Datasets(built.get("train"), built.get("valid"), keys, seconds, eod)
+
+
+def phased(data: DataConfig, plan: BatchPlan, steps: int) -> PhasedDataset:
+    """The train split of `[[data.phases]]`: `plan.samples_after(steps)` samples."""
+    shaped = replace(data, split=split_shares(data))
+    return build_phased(data.phases, shaped, plan.cumulative_samples(steps), "data.phases")
+
+
+def phase_starts(config: Config, plan: BatchPlan) -> list[int]:
+    """Each of `[[data.phases]]`'s first step, checked to start the run and in order (a
+    `from_tokens` needs each step's samples); a ConfigError naming the phase."""
+    cumulative = plan.cumulative_samples(config.train.steps)
+    try:
+        return resolve_starts(config.data.phases, config.data.seq_length, cumulative, "data.phases")
+    except HpDataError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def mixture_report(config: Config) -> dict[str, Any]:
+    """`hp-train mix-report`: `hp_data.phases.mix_report` of the config's phases, counted
+    as the run counts them (its batch plan, its index cache) without reading a token."""
+    if not config.data.phases:
+        raise ConfigError(
+            "data.phases: mix-report reports the phases of a run, and this config gives none"
+        )
+    data = split_configs(config, config.train.run_dir, validation=False)["train"]
+    shaped = replace(data, split=split_shares(data))
+    plan = batch_plan(config)
+    phase_starts(config, plan)
+    cumulative = plan.cumulative_samples(config.train.steps)
+    try:
+        phases = plan_phases(data.phases, shaped, cumulative, "data.phases")
+    except HpDataError as exc:
+        raise TrainError(str(exc)) from None
+    return mix_report(phases)
 
 
 class _Prefetch:

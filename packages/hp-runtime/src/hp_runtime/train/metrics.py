@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from hp_data.progress import clock, human
@@ -155,6 +156,16 @@ class Throughput:
     world_size: int
     flops_per_token: int
     peak_tflops: float | None
+    # float64 [steps + 1, 2]: tokens and model FLOPs trained by the end of each step, where
+    # steps differ in length (`[[data.phases]]` of another seq_length); None: all alike.
+    cumulative: np.ndarray | None = None
+
+    def between(self, first: int, last: int) -> tuple[float, float]:
+        """Tokens, and FLOPs per token, of steps first+1..last."""
+        if self.cumulative is None:
+            return (last - first) * self.tokens_per_step, self.flops_per_token
+        tokens, flops = self.cumulative[last] - self.cumulative[first]
+        return float(tokens), float(flops / tokens) if tokens else self.flops_per_token
 
 
 class MetricsLog:
@@ -245,7 +256,8 @@ class MetricsLog:
         elapsed = max(now - self._mark_time, 1e-9)
         steps_done = max(step - self._mark_step, 1)
         t = self.throughput
-        tokens_per_s = steps_done * t.tokens_per_step / elapsed
+        tokens, flops_per_token = t.between(step - steps_done, step)
+        tokens_per_s = tokens / elapsed
         per_device = tokens_per_s / t.world_size
         shared = torch.tensor(
             [100.0 * data_wait_s / elapsed, peak_memory_gib(self.device)], device=self.device
@@ -263,7 +275,7 @@ class MetricsLog:
             "consumed_samples": consumed_samples,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
-            "mfu": mfu(per_device, t.flops_per_token, t.peak_tflops),
+            "mfu": mfu(per_device, flops_per_token, t.peak_tflops),
             "peak_memory_gib": memory,
             "data_wait_pct": wait_pct,
             "elapsed_s": now - self._started,

@@ -10,10 +10,13 @@ import tomllib
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+import numpy as np
 import torch
+from hp_data.phases import PhasedDataset, PhasePlan
 from hp_data.redact import redact_data
 
 from hp_runtime import __version__
+from hp_runtime.model import ModelConfig
 from hp_runtime.parallel import Assembly, assemble
 from hp_runtime.train.checkpoint import (
     DATA_KEYS,
@@ -30,6 +33,7 @@ from hp_runtime.train.data import (
     Loader,
     batch_plan,
     build_datasets,
+    phase_starts,
 )
 from hp_runtime.train.errors import ConfigError, TrainError
 from hp_runtime.train.guard import SpikeGuard
@@ -73,7 +77,10 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
             f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
             f"FlexAttention's forward only there): use 'auto' or 'segments'"
         )
-    return batch_plan(config)
+    plan = batch_plan(config)
+    if config.data.phases:
+        phase_starts(config, plan)
+    return plan
 
 
 def build_assembly(
@@ -102,6 +109,17 @@ def write_config(config: Config, run_dir: str) -> None:
     with open(path + ".tmp", "w", encoding="utf-8") as stream:
         stream.write(to_toml(config))
     os.replace(path + ".tmp", path)
+
+
+def phase_rates(phases: PhasePlan, model: ModelConfig) -> np.ndarray:
+    """float64 [steps + 1, 2]: tokens and FLOPs by the end of each step of a phased run, each
+    step at its phase's length (tokens/s and MFU count what each step trained)."""
+    lengths = phases.step_seq_lengths()
+    samples = np.concatenate(([0], np.diff(phases.cumulative)))
+    unique, inverse = np.unique(lengths, return_inverse=True)
+    per_token = np.array([model.flops_per_token(int(n)) for n in unique], dtype=np.float64)
+    tokens = (samples * lengths).astype(np.float64)
+    return np.stack([np.cumsum(tokens), np.cumsum(tokens * per_token[inverse])], axis=1)
 
 
 def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
@@ -150,6 +168,7 @@ def resume(
                 state.plan.global_batch_size,
                 datasets.identity,
                 say if runtime.is_main else lambda _: None,
+                state.mixture,
             )
             outcome = None
         except TrainError as exc:
@@ -247,6 +266,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
     )
     guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
     state = TrainState(assembly.modules, optimizer, plan, guard)
+    if isinstance(datasets.train, PhasedDataset):
+        state.mixture = datasets.train.plan.state_at
     checkpointer.clean()
     load_start = time.perf_counter()
     resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)
@@ -300,6 +321,9 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         runtime.world_size,
         model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
         peak_tflops(runtime.device, config.metrics.peak_tflops),
+        phase_rates(datasets.train.plan, model)
+        if isinstance(datasets.train, PhasedDataset)
+        else None,
     )
     metrics = MetricsLog(
         t.run_dir,

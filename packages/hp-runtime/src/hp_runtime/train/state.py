@@ -8,6 +8,7 @@ and needs no saving. `checkpoint.py` saves and loads this object as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ class TrainState:
     guard: SpikeGuard
     step: int = 0
     consumed_samples: int = 0
+    # With `[[data.phases]]`: (step, samples) -> the phases begun and each corpus stream's
+    # consumed count (`PhasePlan.state_at`), saved as meta's "mixture", compared on resume.
+    mixture: Callable[[int, int], dict[str, Any]] | None = None
 
     def scalars(self) -> dict[str, Any]:
         """What is saved beside the tensors (the same on every rank)."""
@@ -34,6 +38,11 @@ class TrainState:
             "consumed_samples": self.consumed_samples,
             "global_batch_size": self.plan.global_batch_size,
             "guard": {"losses": list(self.guard.losses), "norms": list(self.guard.norms)},
+            **(
+                {}
+                if self.mixture is None
+                else {"mixture": self.mixture(self.step, self.consumed_samples)}
+            ),
         }
 
     def load_scalars(self, saved: dict[str, Any]) -> None:
