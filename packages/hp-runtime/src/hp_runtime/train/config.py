@@ -373,7 +373,7 @@ def _type_name(kind: Any) -> str:
     if dataclasses.is_dataclass(kind):
         return "a table {" + ", ".join(_key_types(kind)) + "}"
     origin = typing.get_origin(kind)
-    if origin is tuple:
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):
         return "an array of tables {" + ", ".join(_key_types(typing.get_args(kind)[0])) + "}"
     if origin is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
@@ -512,7 +512,8 @@ def _value(key: str, kind: Any, value: Any) -> Any:
     table = _table_class(kind)
     if table is not None and isinstance(value, dict):
         return _table(key, table, value)
-    if typing.get_origin(kind) is tuple:  # an array of tables ([[data.phases]])
+    if typing.get_origin(kind) is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):
+        # an array of tables ([[data.phases]])
         if not isinstance(value, list | tuple) or not all(isinstance(v, dict) for v in value):
             raise ConfigError(f"{key}: expected {_type_name(kind)}, got {_shown(value)}")
         item = typing.get_args(kind)[0]
