@@ -16,11 +16,14 @@ import sys
 import time
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
 from hp_data.progress import clock, human
+
+if TYPE_CHECKING:
+    from hp_runtime.train.data import BatchPlan
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device) from the vendors' data sheets; the first
 # name contained in torch.cuda.get_device_name() wins, so specific names come first.
@@ -151,10 +154,15 @@ def moe_fields(figures: list[list[float]], aux_loss: bool) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Throughput:
-    tokens_per_step: int
+    plan: BatchPlan  # each step's own global batch: a ramp's first steps are smaller
+    seq_length: int
     world_size: int
     flops_per_token: int
     peak_tflops: float | None
+
+    def samples(self, after: int, step: int) -> int:
+        """Samples trained in steps `after` + 1 .. `step`."""
+        return self.plan.samples_after(step) - self.plan.samples_after(after)
 
 
 class MetricsLog:
@@ -225,16 +233,16 @@ class MetricsLog:
         step's MoE figures, one row per layer of `moe_layers`."""
         now = time.perf_counter()
         elapsed = max(now - self._mark_time, 1e-9)
-        steps_done = max(step - self._mark_step, 1)
         t = self.throughput
-        tokens_per_s = steps_done * t.tokens_per_step / elapsed
+        done = max(t.samples(self._mark_step, step), 1)
+        tokens_per_s = done * t.seq_length / elapsed
         per_device = tokens_per_s / t.world_size
         shared = torch.tensor(
             [100.0 * data_wait_s / elapsed, peak_memory_gib(self.device)], device=self.device
         )
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         wait_pct, memory = shared.tolist()
-        eta = (self.steps - step) * elapsed / steps_done
+        eta = t.samples(step, self.steps) * elapsed / done
         record = {
             "kind": "train",
             "step": step,
@@ -243,6 +251,7 @@ class MetricsLog:
             "grad_norm": grad_norm,
             "lr": lr,
             "consumed_samples": consumed_samples,
+            "global_batch_size": t.plan.global_batch_at(step),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "mfu": mfu(per_device, t.flops_per_token, t.peak_tflops),
@@ -262,7 +271,10 @@ class MetricsLog:
             f"step {step:>{width}}/{self.steps} | loss {loss:.4f} | grad {grad_norm:.3f} | "
             f"lr {lr:.3e} | {human(tokens_per_s)} tok/s ({human(per_device)}/dev) | "
             f"mfu {mfu_text} | mem {memory:.2f} GiB | data {wait_pct:.1f}% | "
-            f"eta {clock(eta)}" + self._moe_text(record) + (" | skipped" if skipped else "")
+            f"eta {clock(eta)}"
+            + (f" | batch {record['global_batch_size']}" if step < t.plan.full_from else "")
+            + self._moe_text(record)
+            + (" | skipped" if skipped else "")
         )
         self.mark(step)
         return record
