@@ -439,7 +439,7 @@ class Loader:
             except StopIteration:
                 raise TrainError(
                     "data: the sampler ran out of samples; the dataset is smaller than "
-                    "train.steps x train.global_batch_size"
+                    "train.steps x train.global_batch_size (less a train.batch_ramp's share)"
                 ) from None
             self.waited += time.perf_counter() - start
             out.append(
