@@ -11,6 +11,7 @@ pipeline's middle stages read nothing.
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import threading
@@ -44,16 +45,19 @@ from hp_runtime.train.launch import Runtime, agree
 Batch = dict[str, torch.Tensor]
 
 
-def _ramp_levels(ramp: BatchRamp | None, global_batch_size: int) -> np.ndarray:
-    """int64 [3, levels]: the first step of each batch size the run trains at, the samples
-    consumed before that step, and the size; one column without a ramp. Megatron's rule
+Level = tuple[int, int, int]  # (first step, samples consumed before it, batch size)
+
+
+def _ramp_levels(ramp: BatchRamp | None, global_batch_size: int) -> tuple[Level, ...]:
+    """Each batch size the run trains at: its first step, the samples consumed before that
+    step, and the size; one level without a ramp. Megatron's rule
     (`RampupBatchsizeNumMicroBatchesCalculator.update`, in its float arithmetic, so that the
     steps are Megatron's to the sample): a step's batch is `start + int(consumed /
     (samples / n)) x increment` for `n = (global - start) / increment` increments, and the
-    full batch once `consumed > samples`. One column per increment (a few hundred at most),
+    full batch once `consumed > samples`. One level per increment at most (a few hundred),
     whatever the number of steps: each level's length is arithmetic."""
     if ramp is None:
-        return np.array([[1], [0], [global_batch_size]], dtype=np.int64)
+        return ((1, 0, global_batch_size),)
     n, rest = divmod(global_batch_size - ramp.start, ramp.increment)
     if n < 1 or rest or ramp.start < 1 or ramp.samples < 1:  # `_check_ramp` names the key
         raise ValueError(f"{ramp} does not ramp up to a global batch of {global_batch_size}")
@@ -71,13 +75,13 @@ def _ramp_levels(ramp: BatchRamp | None, global_batch_size: int) -> np.ndarray:
             c += 1
         return c
 
-    columns, step, consumed = [], 1, 0
+    levels, step, consumed = [], 1, 0
     while True:
         k = level(consumed)
         size = ramp.start + k * ramp.increment
-        columns.append((step, consumed, size))
+        levels.append((step, consumed, size))
         if k == n:
-            return np.array(columns, dtype=np.int64).T
+            return tuple(levels)
         count = -(-(threshold(k + 1) - consumed) // size)  # steps at this size
         step, consumed = step + count, consumed + count * size
 
@@ -92,10 +96,13 @@ class BatchPlan:
     dp_size: int
     pp_microbatches: int = 1  # micro-batches per pipeline schedule step
     ramp: BatchRamp | None = None
-    _levels: np.ndarray = field(init=False, repr=False, compare=False)
+    levels: tuple[Level, ...] = field(init=False, repr=False, compare=False)
+    _firsts: list[int] = field(init=False, repr=False, compare=False)  # for bisect
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_levels", _ramp_levels(self.ramp, self.global_batch_size))
+        levels = _ramp_levels(self.ramp, self.global_batch_size)
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "_firsts", [first for first, _, _ in levels])
 
     @property
     def accumulation(self) -> int:
@@ -105,21 +112,20 @@ class BatchPlan:
     @property
     def full_from(self) -> int:
         """The first step that trains the full global batch (1 without a ramp)."""
-        return int(self._levels[0, -1])
+        return self.levels[-1][0]
 
     # The per-step view (issue 24): with `train.batch_ramp` the global batch grows over the
     # first steps; every caller that needs a step's batch, its micro-batches or the samples
     # trained so far asks these, never `global_batch_size` times a step count.
 
-    def _before(self, steps: Any) -> Any:
-        """Samples consumed before step(s) `steps` (>= 1), and the batch size of each."""
-        first, consumed, size = self._levels
-        i = np.searchsorted(first, steps, side="right") - 1
-        return consumed[i] + (steps - first[i]) * size[i], size[i]
+    def _before(self, step: int) -> tuple[int, int]:
+        """(samples consumed before step `step` >= 1, the step's batch)."""
+        first, consumed, size = self.levels[bisect.bisect_right(self._firsts, step) - 1]
+        return consumed + (step - first) * size, size
 
     def global_batch_at(self, step: int) -> int:
         """The global batch of step `step` (steps count from 1)."""
-        return int(self._before(step)[1])
+        return self._before(step)[1]
 
     def accumulation_at(self, step: int) -> int:
         """Micro-batches per rank in step `step`."""
@@ -127,11 +133,22 @@ class BatchPlan:
 
     def samples_after(self, step: int) -> int:
         """Samples consumed once steps 1..`step` are done (0 for step 0)."""
-        return int(self._before(step + 1)[0])
+        return self._before(step + 1)[0]
 
     def cumulative_samples(self, steps: int) -> np.ndarray:
-        """int64 [steps + 1]: `samples_after(s)` for s = 0..steps, in one array."""
-        return self._before(np.arange(1, steps + 2, dtype=np.int64))[0]
+        """int64 [steps + 1]: `samples_after(s)` for s = 0..steps, in one array (the ramp's
+        levels looked up, the full batch's steps arithmetic)."""
+        first, consumed, size = np.array(self.levels, dtype=np.int64).T
+        ramp = min(self.full_from - 1, steps + 1)  # entries before the first full step
+        head = np.arange(1, ramp + 1, dtype=np.int64)  # entry s - 1 is consumed before step s
+        i = np.searchsorted(first, head, side="right") - 1
+        tail = np.arange(ramp + 1, steps + 2, dtype=np.int64)
+        return np.concatenate(
+            [
+                consumed[i] + (head - first[i]) * size[i],
+                consumed[-1] + (tail - first[-1]) * size[-1],
+            ]
+        )
 
 
 def _check_ramp(config: Config, plan: BatchPlan) -> None:
