@@ -15,27 +15,20 @@ over a billion samples), in one process:
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import sys
 import time
 from pathlib import Path
 
 from hp_runtime.train.config import BatchRamp
 from hp_runtime.train.data import BatchPlan
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
+from tests.helpers.megatron import ramp_calculator
+
 RAMPS = {  # name: (start, increment, samples), global batch, data-parallel size
     "gpt3-175b": ((16, 16, 5_859_375), 1536, 16),
     "worst": ((1, 1, 1_000_000_000), 4096, 1),
 }
-
-
-def calculator_class() -> type:
-    """megatron-core's calculator from its file alone (the package imports all of it)."""
-    location = importlib.util.find_spec("megatron").submodule_search_locations[0]
-    path = Path(location) / "core" / "num_microbatches_calculator.py"
-    spec = importlib.util.spec_from_file_location("_megatron_microbatches", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RampupBatchsizeNumMicroBatchesCalculator
 
 
 def measure(name: str, steps: int) -> dict[str, float]:
@@ -50,7 +43,7 @@ def measure(name: str, steps: int) -> dict[str, float]:
         plan.global_batch_at(step)
         plan.accumulation_at(step)
     per_step = (time.perf_counter() - began) / probe
-    calculator = calculator_class()(gbs, 1, dp, False, 0, start, increment, samples)
+    calculator = ramp_calculator()(gbs, 1, dp, False, 0, start, increment, samples)
     consumed = 0
     began = time.perf_counter()
     for _ in range(ramp_steps):
@@ -59,7 +52,7 @@ def measure(name: str, steps: int) -> dict[str, float]:
         consumed += calculator.get_current_global_batch_size()
     megatron_ramp = time.perf_counter() - began
     began = time.perf_counter()
-    cumulative = plan.cumulative_samples(steps)
+    cumulative = plan.cumulative_samples(max(steps, ramp_steps))
     whole = time.perf_counter() - began
     assert int(cumulative[ramp_steps]) == consumed  # the same samples at the ramp's end
     return {
@@ -79,7 +72,12 @@ def main() -> None:
     args = parser.parse_args()
     for name in RAMPS:
         row = measure(name, args.steps)
-        print(name, " | ".join(f"{k} {v:,.3f}" for k, v in row.items()))
+        print(
+            name,
+            " | ".join(
+                f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:,.3f}" for k, v in row.items()
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ one line each."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import types
 from pathlib import Path
@@ -26,21 +25,10 @@ from hp_runtime.train.launch import Runtime
 from hp_runtime.train.setup import checked_plan
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import ramp_calculator
 from tests.helpers.train import FAST, hp_train_here, records, train_ranks
 
-
-def _calculator_class() -> Any:
-    """megatron-core's calculator, loaded from its file alone: `import megatron.core` pulls in
-    all of megatron-core (tens of seconds), and the file needs only the standard library."""
-    location = importlib.util.find_spec("megatron").submodule_search_locations[0]
-    path = Path(location) / "core" / "num_microbatches_calculator.py"
-    spec = importlib.util.spec_from_file_location("_megatron_microbatches", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RampupBatchsizeNumMicroBatchesCalculator
-
-
-Calculator = _calculator_class()
+Calculator = ramp_calculator()
 
 
 def megatron_steps(
