@@ -99,6 +99,22 @@ def test_a_ramp_reaches_megatrons_float_boundaries():
     assert any(int(c / (27 / 13)) != c * 13 // 27 for c in seen if c <= 27)
 
 
+def test_the_state_counts_each_steps_own_samples():
+    """`TrainState.advance` and `samples_of` (the spike guard's and the NaN stop's sample
+    range) through and past the ramp, against the calculator's consumed samples."""
+    from hp_runtime.train.guard import SpikeGuard
+    from hp_runtime.train.state import TrainState
+
+    plan = _plan((2, 2, 12), 8)
+    state = TrainState([], None, plan, SpikeGuard("off", 1, 1.0))
+    want = megatron_steps((2, 2, 12), 8, 1, 1, 8)
+    for size, _, before in want:
+        state.advance()
+        assert state.consumed_samples == before + size
+    for step, (size, _, before) in enumerate(want, 1):
+        assert state.samples_of(step) == (before, before + size)
+
+
 # --- the run --------------------------------------------------------------------------------
 
 SEQ, MICRO, GLOBAL, STEPS, LR, WARMUP = 16, 1, 8, 6, 0.5, 2
@@ -110,6 +126,17 @@ RUN = [
     "optim.weight_decay=0", f"optim.warmup_steps={WARMUP}", "optim.decay_style=constant",
     "checkpoint.interval=3",
 ]  # fmt: skip
+
+
+def test_validation_samples_are_counted_at_the_full_batch():
+    """Training needs the ramped steps' samples; validation, `eval_iters` full global batches
+    for each of `steps // eval_interval + 1` validations (Megatron's count)."""
+    from hp_runtime.train.data import sample_counts
+
+    config = load_config(None, [*RUN, "train.eval_interval=3", "train.eval_iters=2"])
+    train, valid = sample_counts(config, batch_plan(config))
+    assert train == 2 + 2 + 4 + 6 + 8 + 8
+    assert valid == 2 * GLOBAL * (STEPS // 3 + 1)
 
 
 @pytest.fixture(scope="module")
