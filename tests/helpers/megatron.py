@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
+from pathlib import Path
 from typing import Any
 
 
@@ -51,3 +53,15 @@ def build_megatron(
     return blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder(
         gpt_dataset.GPTDataset, sizes, lambda: True, config
     ).build()
+
+
+def ramp_calculator() -> type:
+    """megatron-core's `RampupBatchsizeNumMicroBatchesCalculator`, loaded from its file alone:
+    `import megatron.core` pulls in all of megatron-core (tens of seconds), and the file needs
+    only the standard library."""
+    location = importlib.util.find_spec("megatron").submodule_search_locations[0]
+    path = Path(location) / "core" / "num_microbatches_calculator.py"
+    spec = importlib.util.spec_from_file_location("_megatron_microbatches", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RampupBatchsizeNumMicroBatchesCalculator

@@ -177,13 +177,14 @@ def _numeric(kind) -> bool:
 
 def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
     from hp_runtime.model.config import MoEConfig
-    from hp_runtime.train.config import key_fields
+    from hp_runtime.train.config import BatchRamp, key_fields
 
     numeric = {
         f"{s}.{k}" for s, names in KEYS.items() for k, kind in names.items() if _numeric(kind)
     }
     hints = typing.get_type_hints(MoEConfig)  # model.moe's fields are ranged as keys are
     numeric |= {f"model.moe.{f.name}" for f in key_fields(MoEConfig) if _numeric(hints[f.name])}
+    numeric |= {f"train.batch_ramp.{f.name}" for f in key_fields(BatchRamp)}  # all integers
     assert numeric == set(RANGES)
     defaults = MoEConfig(experts=1, top_k=1, expert_ffn_hidden=1)
     for key in (k for k in RANGES if k.startswith("model.moe.")):

@@ -30,7 +30,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -53,7 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
-from hp_runtime.train.config import CheckpointConfig, Config, as_table, toml_value
+from hp_runtime.train.config import BatchRamp, CheckpointConfig, Config, as_table, toml_value
+from hp_runtime.train.data import BatchPlan
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState
@@ -633,28 +634,72 @@ class Checkpointer:
         return os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root)
 
 
+def _ramp_shown(ramp: BatchRamp | None) -> str:
+    return "none" if ramp is None else f"[{ramp.start}, {ramp.increment}, {ramp.samples}]"
+
+
+def check_ramp(meta: dict[str, Any], path: str, plan: BatchPlan) -> None:
+    """A changed (or added, or removed) `train.batch_ramp` changes which samples the steps
+    train on: refused while the checkpoint's next step is inside either ramp. Past both ends
+    every step trains the full batch either way; then it is refused only if the new ramp
+    counts fewer samples up to the checkpoint than the run trained (the data is built for the
+    new count, and would run out)."""
+    recorded = saved_section(meta, "train").get("batch_ramp")  # none: written without one
+    try:
+        saved = None if recorded is None else BatchRamp(**recorded)
+        before = replace(plan, ramp=saved)
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{os.path.join(path, META)}: field 'config' holds train.batch_ramp = "
+            f"{recorded!r}, not a ramp of its global batch"
+        ) from None
+    if saved == plan.ramp:
+        return
+    step, trained = meta["step"], meta["consumed_samples"]
+    change = (
+        f"train.batch_ramp changed from {_ramp_shown(saved)} to {_ramp_shown(plan.ramp)} "
+        f"since {path}"
+    )
+    last = max(before.full_from, plan.full_from) - 1  # the last step smaller than the batch
+    if step < last:
+        raise CheckpointError(
+            f"{change}, whose step {step} is inside a ramp (smaller batches until step {last}): "
+            "keep train.batch_ramp as it was to resume",
+            fallback=False,
+        )
+    if plan.samples_after(step) < trained:
+        raise CheckpointError(
+            f"{change}: the new ramp counts {plan.samples_after(step)} samples up to step "
+            f"{step}, fewer than the {trained} trained, so the data built would run out; keep "
+            "train.batch_ramp as it was to resume",
+            fallback=False,
+        )
+
+
 def check_compatible(
     meta: dict[str, Any],
     path: str,
     config: Config,
-    global_batch_size: int,
+    plan: BatchPlan,
     identity: dict[str, Any],
     warn: Callable[[str], None],
     mixture: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> None:
     """Refuse a resume that would not continue the same run: another model, another global
-    batch size, or other data (unless `checkpoint.allow_data_change`), naming what changed.
-    With `data.phases`, `mixture` (`PhasePlan.state_at`) says what this config trained by
-    the checkpoint's step: a phase changed after it is the same run, one before is not."""
+    batch size or ramp, or other data (unless `checkpoint.allow_data_change`), naming what
+    changed. With `data.phases`, `mixture` (`PhasePlan.state_at`) says what this config
+    trained by the checkpoint's step: a phase changed after it is the same run, one before is
+    not."""
     check_model(path, meta, config.model)
     check_optimizer(path, meta, config)
     saved_gbs = meta["global_batch_size"]
-    if saved_gbs != global_batch_size:
+    if saved_gbs != plan.global_batch_size:
         raise CheckpointError(
-            f"train.global_batch_size={global_batch_size}, but {path} was trained with "
+            f"train.global_batch_size={plan.global_batch_size}, but {path} was trained with "
             f"{saved_gbs}: keep it to resume (the data-parallel size may change)",
             fallback=False,
         )
+    check_ramp(meta, path, plan)
     saved = meta["data"]
     now = redact_data({key: getattr(config.data, key) for key in DATA_KEYS})
     changes = [

@@ -85,12 +85,32 @@ class ParallelConfig(ParallelOptions, ParallelDims):
     `assemble` takes as both: its keys are their fields (the layout's first)."""
 
 
+@dataclass(frozen=True)
+class BatchRamp:
+    """`train.batch_ramp`, Megatron's `--rampup-batch-size START INCR SAMPLES`: the global
+    batch starts at `start` and grows by `increment` every `samples / n` samples consumed
+    (`n` increments up to train.global_batch_size), full once `samples` are consumed. Also
+    written as the list `[start, increment, samples]`, as Megatron's flag takes it."""
+
+    as_list: ClassVar[bool] = True  # the key also takes its fields as a list, in order
+    start: int
+    increment: int
+    samples: int
+
+    def __post_init__(self) -> None:
+        if self.samples == 0:  # Megatron's calculator divides by it
+            raise FieldError(
+                "samples", 0, "ramps over no samples; leave train.batch_ramp unset for no ramp"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     run_dir: str = "out/run"
     steps: int
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size
+    batch_ramp: BatchRamp | None = None  # none: the full global batch from the first step
     seed: int = 0  # model initialisation
     max_norm: float = 1.0  # gradient clipping; 0 turns it off
     eval_interval: int = 0  # 0: no validation
@@ -246,6 +266,7 @@ def _bound(value: float) -> str:
         MAX_SEQ_LENGTH: "2**31 - 2",
         SEED_MAX: "2**32 - 1",
         2**24: "2**24",
+        2**62: "2**62",
     }
     return names.get(value, repr(value)) if isinstance(value, int) else f"{value:g}"
 
@@ -298,6 +319,9 @@ RANGES: dict[str, Range] = {
     "train.steps": _ints(1),
     "train.micro_batch_size": _ints(1),
     "train.global_batch_size": _ints(1),
+    "train.batch_ramp.start": _ints(1),
+    "train.batch_ramp.increment": _ints(1),
+    "train.batch_ramp.samples": _ints(0, 2**62),  # 0: refused by BatchRamp, with its reason
     "train.seed": _ints(0, SEED_MAX),
     "train.max_norm": NON_NEGATIVE,
     "train.eval_interval": _ints(0),
@@ -371,7 +395,9 @@ def _table_class(kind: Any) -> type | None:
 
 def _type_name(kind: Any) -> str:
     if dataclasses.is_dataclass(kind):
-        return "a table {" + ", ".join(_key_types(kind)) + "}"
+        names = ", ".join(_key_types(kind))
+        listed = f" or a list [{names}]" if getattr(kind, "as_list", False) else ""
+        return "a table {" + names + "}" + listed
     origin = typing.get_origin(kind)
     if origin is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):
         return "an array of tables {" + ", ".join(_key_types(typing.get_args(kind)[0])) + "}"
@@ -510,6 +536,10 @@ def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[s
 def _value(key: str, kind: Any, value: Any) -> Any:
     """One key's value (from TOML) as `kind`, in its range and form."""
     table = _table_class(kind)
+    if table is not None and getattr(table, "as_list", False) and isinstance(value, list):
+        names = list(_key_types(table))
+        if len(value) == len(names):
+            value = dict(zip(names, value, strict=True))
     if table is not None and isinstance(value, dict):
         return _table(key, table, value)
     if typing.get_origin(kind) is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):

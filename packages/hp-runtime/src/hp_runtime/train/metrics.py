@@ -16,12 +16,15 @@ import sys
 import time
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from hp_data.progress import clock, human
+
+if TYPE_CHECKING:
+    from hp_runtime.train.data import BatchPlan
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device) from the vendors' data sheets; the first
 # name contained in torch.cuda.get_device_name() wins, so specific names come first.
@@ -152,7 +155,8 @@ def moe_fields(figures: list[list[float]], aux_loss: bool) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Throughput:
-    tokens_per_step: int
+    plan: BatchPlan  # each step's own global batch: a ramp's first steps are smaller
+    seq_length: int
     world_size: int
     flops_per_token: int
     peak_tflops: float | None
@@ -161,9 +165,11 @@ class Throughput:
     cumulative: np.ndarray | None = None
 
     def between(self, first: int, last: int) -> tuple[float, float]:
-        """Tokens, and FLOPs per token, of steps first+1..last."""
+        """Tokens, and FLOPs per token, of steps first+1..last, each at its own batch and
+        length."""
         if self.cumulative is None:
-            return (last - first) * self.tokens_per_step, self.flops_per_token
+            samples = self.plan.samples_after(last) - self.plan.samples_after(first)
+            return float(samples * self.seq_length), self.flops_per_token
         tokens, flops = self.cumulative[last] - self.cumulative[first]
         return float(tokens), float(flops / tokens) if tokens else self.flops_per_token
 
@@ -254,9 +260,8 @@ class MetricsLog:
         step's MoE figures, one row per layer of `moe_layers`."""
         now = time.perf_counter()
         elapsed = max(now - self._mark_time, 1e-9)
-        steps_done = max(step - self._mark_step, 1)
         t = self.throughput
-        tokens, flops_per_token = t.between(step - steps_done, step)
+        tokens, flops_per_token = t.between(self._mark_step, step)
         tokens_per_s = tokens / elapsed
         per_device = tokens_per_s / t.world_size
         shared = torch.tensor(
@@ -264,7 +269,7 @@ class MetricsLog:
         )
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         wait_pct, memory = shared.tolist()
-        eta = (self.steps - step) * elapsed / steps_done
+        eta = t.between(step, self.steps)[0] / max(tokens_per_s, 1e-9)  # at this interval's rate
         record = {
             "kind": "train",
             "step": step,
@@ -273,6 +278,7 @@ class MetricsLog:
             "grad_norm": grad_norm,
             "lr": lr,
             "consumed_samples": consumed_samples,
+            "global_batch_size": t.plan.global_batch_at(step),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "mfu": mfu(per_device, flops_per_token, t.peak_tflops),
@@ -292,7 +298,10 @@ class MetricsLog:
             f"step {step:>{width}}/{self.steps} | loss {loss:.4f} | grad {grad_norm:.3f} | "
             f"lr {lr:.3e} | {human(tokens_per_s)} tok/s ({human(per_device)}/dev) | "
             f"mfu {mfu_text} | mem {memory:.2f} GiB | data {wait_pct:.1f}% | "
-            f"eta {clock(eta)}" + self._moe_text(record) + (" | skipped" if skipped else "")
+            f"eta {clock(eta)}"
+            + (f" | batch {record['global_batch_size']}" if step < t.plan.full_from else "")
+            + self._moe_text(record)
+            + (" | skipped" if skipped else "")
         )
         self.mark(step)
         return record

@@ -83,6 +83,17 @@ def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
     return plan
 
 
+def ramp_text(plan: BatchPlan) -> str:
+    """The start-up line's account of `train.batch_ramp` (empty without one)."""
+    ramp = plan.ramp
+    if ramp is None:
+        return ""
+    return (
+        f", ramped from {ramp.start} by {ramp.increment} over {ramp.samples} samples (full "
+        f"from step {plan.full_from})"
+    )
+
+
 def build_assembly(
     config: Config,
     runtime: Runtime,
@@ -165,7 +176,7 @@ def resume(
                 meta,
                 path,
                 config,
-                state.plan.global_batch_size,
+                state.plan,
                 datasets.identity,
                 say if runtime.is_main else lambda _: None,
                 state.mixture,
@@ -317,7 +328,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
     )
     seq, model = config.data.seq_length, config.model
     throughput = Throughput(
-        plan.global_batch_size * seq,
+        plan,
+        seq,
         runtime.world_size,
         model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
         peak_tflops(runtime.device, config.metrics.peak_tflops),
@@ -354,7 +366,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         f"hp-train: {model.num_params():,} parameters{active} | {runtime.world_size} "
         f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
         f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
-        f"accumulation | {t.steps} steps | data ready in {datasets.build_seconds:.2f} s"
+        f"accumulation{ramp_text(plan)} | {t.steps} steps | data ready in "
+        f"{datasets.build_seconds:.2f} s"
     )
     return Run(
         assembly,
