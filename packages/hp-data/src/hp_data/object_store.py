@@ -79,14 +79,13 @@ class StoreOptions:
 
     def __post_init__(self) -> None:
         limits = (
-            ("remote_chunk_mb", self.chunk_mb, PAGE / 2**20, "a chunk is at least 4 KiB"),
-            ("remote_cache_gb", self.cache_gb, 0.0, "a positive size"),
+            ("remote_chunk_mb", self.chunk_mb, PAGE / 2**20, "at least 1/256 MiB (a 4 KiB page)"),
+            ("remote_cache_gb", self.cache_gb, 0.0, "a positive size in GiB"),
             ("remote_timeout_s", self.timeout_s, 0.0, "a positive number of seconds"),
         )
         for name, value, low, hint in limits:
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            at_least = value >= low if low > 0 else value > low
-            if not (number and math.isfinite(value) and at_least):
+            if not (number and math.isfinite(value) and (value >= low if low else value > 0)):
                 raise HpDataError(f"{self.key_prefix}{name} = {value!r}: give {hint}")
 
     @classmethod
@@ -136,7 +135,7 @@ class RemoteCorpus:
             "bin": current_pin(self.bin_url),
             "metadata": current_pin(self.metadata_url, missing_ok=True),
         }
-        self._warn_weak()
+        self._warn()
         key = cache_key({"url": canonical_url(prefix), "pins": repr(sorted(self.pins.items()))})
         self.directory = os.path.join(self.root(options), key)
         self._start()
@@ -158,16 +157,22 @@ class RemoteCorpus:
     def bin_size(self) -> int:
         return self.pins["bin"].size  # type: ignore[union-attr]
 
-    def _warn_weak(self) -> None:
+    def _warn(self) -> None:
         pins = [(self.idx_url, self.pins["idx"]), (self.bin_url, self.pins["bin"])]
         for url in [url for url, pin in pins if pin is not None and not pin.strong]:
-            if url not in _warned:
-                _warned.add(url)
-                warnings.warn(
-                    f"{redact(url)}: no ETag, version id or content hash: only its size and "
-                    "modification time show a change while the run reads it",
-                    stacklevel=4,
-                )
+            _warn_once(
+                url,
+                f"{redact(url)}: no ETag, version id or content hash: only its size and "
+                "modification time show a change while the run reads it",
+            )
+        if self.bin_size > self.options.cache_bytes:
+            _warn_once(
+                f"{self.bin_url} size",
+                f"{redact(self.bin_url)}: {self.bin_size / 2**30:.3g} GiB, more than "
+                f"{self.options.key_prefix}remote_cache_gb = {self.options.cache_gb:g}: "
+                "shuffled samples will download evicted chunks again; give the cache room "
+                "for the whole .bin where the disk allows",
+            )
 
     def _copy_small(self) -> None:
         """The `.idx` and `.hp.json`, fetched once per node (under a lock) and kept."""
@@ -294,6 +299,12 @@ class RemoteCorpus:
         self._start()
 
 
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=5)
+
+
 def _whole(path: str, size: int) -> bool:
     try:
         return os.stat(path).st_size == size
@@ -375,44 +386,58 @@ def _dirs(path: str) -> list[os.DirEntry[str]]:
 
 
 class ReadAhead:
-    """Downloads, on `threads` background threads, the chunks that samples about to be read
-    need (the sample order is known in advance: a sampler's consecutive ids), so that a
-    reader rarely waits for the network. `dataset.chunks_for(sample_ids)` (GPTDataset,
-    BlendableDataset, or any dataset that has it) lists them; at most `in_flight` downloads
-    are queued at once. A failed download is left to the reader, whose own read of the
-    chunk reports it in one line."""
+    """Downloads, on background threads, the chunks that samples about to be read need (the
+    sample order is known in advance: a sampler's consecutive ids), so that a reader rarely
+    waits for the network. `dataset.chunks_for(sample_ids)` (GPTDataset, BlendableDataset, or
+    any dataset that has it) lists them, on a thread of its own: the caller only hands over
+    ids. At most `in_flight` downloads run at once; ids handed over while the last ones are
+    still being planned are dropped (the next call covers them). A failed download is left
+    to the reader, whose own read of the chunk reports it in one line."""
 
-    def __init__(self, dataset: Any, threads: int = 2, in_flight: int = 4) -> None:
+    def __init__(self, dataset: Any, in_flight: int = 2) -> None:
         self._chunks_for = getattr(dataset, "chunks_for", None)
-        self._threads, self._limit = threads, in_flight
+        self._slots = threading.BoundedSemaphore(in_flight)
+        self._in_flight = in_flight
+        self._planner: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[tuple[str, int], Future[Any]] = {}
+        self._planning: Future[None] | None = None
+        self._closed = False
 
     def want(self, sample_ids: Iterable[int]) -> None:
-        """Start fetching what `sample_ids` (read soon, in this order) need, up to the bound."""
-        if self._chunks_for is None:
+        """Fetch, in the background, what `sample_ids` (read soon, in this order) need."""
+        if self._chunks_for is None or self._closed:
             return
-        self._pending = {k: f for k, f in self._pending.items() if not f.done()}
-        for corpus, chunk in self._chunks_for(sample_ids):
-            if len(self._pending) >= self._limit:
-                return
-            key = (corpus.directory, chunk)
-            if key in self._pending or corpus.cached(chunk):
-                continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hp-read-ahead")
-            self._pending[key] = self._pool.submit(_quiet_fetch, corpus, chunk)
+        if self._planning is not None and not self._planning.done():
+            return
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(1, thread_name_prefix="hp-read-ahead-plan")
+            self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="hp-read-ahead")
+        self._planning = self._planner.submit(self._plan, list(sample_ids))
+
+    def _plan(self, sample_ids: list[int]) -> None:
+        with contextlib.suppress(Exception):  # a plan that fails only loses its read-ahead
+            for corpus, chunk in self._chunks_for(sample_ids):  # type: ignore[misc]
+                if self._closed:
+                    return
+                if corpus.cached(chunk):
+                    continue
+                self._slots.acquire()
+                self._pool.submit(self._fetch, corpus, chunk)  # type: ignore[union-attr]
+
+    def _fetch(self, corpus: RemoteCorpus, chunk: int) -> None:
+        # A failure is not reported here: the reader's own read of the chunk fails in one line.
+        try:
+            with contextlib.suppress(Exception):
+                corpus.fetch(chunk)
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
-
-def _quiet_fetch(corpus: RemoteCorpus, chunk: int) -> None:
-    # A failure is not reported here: the reader's own read of the chunk fails in one line.
-    with contextlib.suppress(Exception):
-        corpus.fetch(chunk)
+        """Stop planning; downloads under way finish (each within its timeouts)."""
+        self._closed = True
+        for pool in (self._planner, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["ReadAhead", "RemoteCorpus", "StoreOptions", "evict", "exists", "is_url"]
