@@ -58,7 +58,9 @@ DEFAULT_CACHE_GB = 100.0  # data.remote_cache_gb: a 50B-token uint16 corpus fits
 PAGE = 4096  # chunk sizes are whole pages: a token never straddles two chunks' alignment
 WAIT_TIMEOUTS = 10  # another process's download is waited for this many request timeouts
 _STRIPES = 64  # lock files per corpus: a bounded number, whatever the number of chunks
-_MAPS = 8  # chunk maps one process keeps open (mapped memory of evicted chunks ends with them)
+# Chunk maps one process keeps open: at least 8, else 1 GiB of them. A map keeps an evicted
+# chunk's disk space until it is dropped, so this bounds what eviction can lag behind.
+_MAPS, _MAP_BYTES = 8, 1 << 30
 _COPY_BLOCK = 16 << 20  # bytes read at a time into a cache file
 _CHUNK_NAME = re.compile(r"\d{10}\.chunk")
 _warned: set[str] = set()
@@ -269,7 +271,7 @@ class RemoteCorpus:
                 f"raise {self.options.key_prefix}remote_cache_gb"
             )
         self._maps[chunk] = view
-        if len(self._maps) > _MAPS:
+        if len(self._maps) > max(_MAPS, _MAP_BYTES // self.chunk_bytes):
             self._maps.popitem(last=False)
         return view
 
