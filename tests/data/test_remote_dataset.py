@@ -237,3 +237,37 @@ def test_bad_store_options_are_one_line(field, value, message):
     with pytest.raises(HpDataError) as info:
         StoreOptions(**{field: value})
     assert str(info.value) == message
+
+
+def test_read_ahead_fetches_what_the_next_samples_read_within_its_bound(tmp_path, local):
+    import threading
+
+    from hp_data.object_store import ReadAhead
+
+    upload_memory("ahead", {"a": local["a"]})
+    remote = GPTDataset("memory://ahead/a", "train", None, _config(tmp_path / "cache"))
+    corpus = remote.dataset.remote
+    wanted = {chunk for _, chunk in remote.chunks_for(range(10))}
+    assert len(wanted) > 2
+    running, most, lock, fetch = [0], [0], threading.Lock(), corpus.fetch
+
+    def slow_fetch(chunk: int) -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        try:
+            return fetch(chunk)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    corpus.fetch = slow_fetch
+    ahead = ReadAhead(remote, in_flight=2)
+    deadline = time.monotonic() + 10
+    while not all(corpus.cached(c) for c in wanted) and time.monotonic() < deadline:
+        ahead.want(range(10))  # as a loader does before each step
+        time.sleep(0.01)
+    ahead.close()
+    assert {c for c in range(100) if corpus.cached(c)} == wanted  # those, and only those
+    assert most[0] == 2

@@ -144,3 +144,19 @@ def test_bad_values_of_the_remote_keys_are_one_line(override, message):
         load_config(None, ["data.type=dummy", override])
     assert "\n" not in str(info.value)
     assert str(info.value).startswith(message)
+
+
+def test_the_loader_reads_ahead_the_samples_its_sampler_gives_next():
+    """The ids handed to the read-ahead are the ones the sampler yields next on this rank."""
+    import torch
+    from hp_runtime.train.data import BatchPlan, Loader
+
+    plan = BatchPlan(micro_batch_size=2, global_batch_size=8, dp_size=2)
+    dataset = [{"tokens": torch.zeros(4, dtype=torch.int64)}] * 200
+    loader = Loader(dataset, plan, 1, 10, torch.device("cpu"), 0, 2, background=False)
+    sampler = iter(loader.sampler)
+    upcoming = [i for _ in range(loader._ahead) for i in next(sampler)]
+    assert loader._coming() == upcoming
+    loader.take(3)
+    after = iter(type(loader.sampler)(200, 10 + 3 * 4, 2, 1, 2))
+    assert loader._coming() == [i for _ in range(loader._ahead) for i in next(after)]

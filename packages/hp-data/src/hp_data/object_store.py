@@ -33,7 +33,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -391,55 +391,49 @@ class ReadAhead:
     """Downloads, on background threads, the chunks that samples about to be read need (the
     sample order is known in advance: a sampler's consecutive ids), so that a reader rarely
     waits for the network. `dataset.chunks_for(sample_ids)` (GPTDataset, BlendableDataset, or
-    any dataset that has it) lists them, on a thread of its own: the caller only hands over
-    ids. At most `in_flight` downloads run at once; ids handed over while the last ones are
-    still being planned are dropped (the next call covers them). A failed download is left
-    to the reader, whose own read of the chunk reports it in one line."""
+    any dataset that has it) lists them: at once for a local dataset (nothing), a few
+    index reads a sample for a URL's. At most `in_flight` downloads run at once; what does not
+    fit now is left to the next call. No thread starts until there is something to fetch. A
+    failed download is left to the reader, whose own read of the chunk reports it in one
+    line."""
 
-    def __init__(self, dataset: Any, in_flight: int = 2) -> None:
+    def __init__(self, dataset: Any, in_flight: int = 4) -> None:
         self._chunks_for = getattr(dataset, "chunks_for", None)
-        self._slots = threading.BoundedSemaphore(in_flight)
         self._in_flight = in_flight
-        self._planner: ThreadPoolExecutor | None = None
+        self._slots = threading.BoundedSemaphore(in_flight)
         self._pool: ThreadPoolExecutor | None = None
-        self._planning: Future[None] | None = None
-        self._closed = False
+        self._pending: set[tuple[str, int]] = set()
 
     def want(self, sample_ids: Iterable[int]) -> None:
-        """Fetch, in the background, what `sample_ids` (read soon, in this order) need."""
-        if self._chunks_for is None or self._closed:
+        """Start fetching what `sample_ids` (read soon, in this order) need, within the bound."""
+        if self._chunks_for is None:
             return
-        if self._planning is not None and not self._planning.done():
-            return
-        if self._planner is None:
-            self._planner = ThreadPoolExecutor(1, thread_name_prefix="hp-read-ahead-plan")
-            self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="hp-read-ahead")
-        self._planning = self._planner.submit(self._plan, list(sample_ids))
+        for corpus, chunk in self._chunks_for(sample_ids):
+            key = (corpus.directory, chunk)
+            if key in self._pending or corpus.cached(chunk):
+                continue
+            if not self._slots.acquire(blocking=False):
+                return  # the bound: the next call asks again
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="hp-read-ahead")
+            self._pending.add(key)
+            self._pool.submit(self._fetch, corpus, chunk, key)
 
-    def _plan(self, sample_ids: list[int]) -> None:
-        with contextlib.suppress(Exception):  # a plan that fails only loses its read-ahead
-            for corpus, chunk in self._chunks_for(sample_ids):  # type: ignore[misc]
-                if self._closed:
-                    return
-                if corpus.cached(chunk):
-                    continue
-                self._slots.acquire()
-                self._pool.submit(self._fetch, corpus, chunk)  # type: ignore[union-attr]
-
-    def _fetch(self, corpus: RemoteCorpus, chunk: int) -> None:
+    def _fetch(self, corpus: RemoteCorpus, chunk: int, key: tuple[str, int]) -> None:
         # A failure is not reported here: the reader's own read of the chunk fails in one line.
         try:
             with contextlib.suppress(Exception):
                 corpus.fetch(chunk)
         finally:
+            self._pending.discard(key)
             self._slots.release()
 
     def close(self) -> None:
-        """Stop planning; downloads under way finish (each within its timeouts)."""
-        self._closed = True
-        for pool in (self._planner, self._pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        """Start no more downloads; those under way finish (each within its timeouts)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._chunks_for = None
 
 
 __all__ = ["ReadAhead", "RemoteCorpus", "StoreOptions", "evict", "exists", "is_url"]
