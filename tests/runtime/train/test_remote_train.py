@@ -160,3 +160,20 @@ def test_the_loader_reads_ahead_the_samples_its_sampler_gives_next():
     loader.take(3)
     after = iter(type(loader.sampler)(200, 10 + 3 * 4, 2, 1, 2))
     assert loader._coming() == [i for _ in range(loader._ahead) for i in next(after)]
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_without_its_credentials(tmp_path):
+    url = "https://user:hunter2@127.0.0.1:9/corpus"  # port 9: nothing listens
+    done = hp_train_here(*FAST, *_run(tmp_path, "unreachable", url, "data.remote_timeout_s=0.5"))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "hp-train: error: data.path: https://***:***@127.0.0.1:9/corpus.idx: cannot read: "
+        "cannot reach the server, 3 tries (Cannot connect to host 127.0.0.1:9 ssl:default "
+        "[Connect call failed ('127.0.0.1', 9)])"
+    ]
+    signed = hp_train_here(*FAST, *_run(tmp_path, "signed", url + "?sig=s3cret"))
+    assert signed.stderr.splitlines() == [
+        "hp-train: error: data.path: https://***:***@127.0.0.1:9/corpus?sig=***: a URL prefix "
+        "cannot carry a query or fragment (PREFIX.idx and PREFIX.bin are named by adding to "
+        "it); give the store's credentials in its environment or fsspec configuration instead"
+    ]

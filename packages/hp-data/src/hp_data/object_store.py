@@ -116,7 +116,19 @@ class StoreOptions:
 
 def exists(prefix: str) -> bool:
     """Whether the URL `prefix` names a dataset (its `.idx` is there): asked of the store."""
-    return current_pin(idx_path(prefix), missing_ok=True) is not None
+    return current_pin(idx_path(_plain_prefix(prefix)), missing_ok=True) is not None
+
+
+def _plain_prefix(prefix: str) -> str:
+    """`prefix`, refused when it has a query or fragment: the files' names are made by adding
+    `.idx` and `.bin` to it, and a presigned URL signs one object, not a prefix."""
+    if "?" in prefix or "#" in prefix:
+        raise IndexedDatasetError(
+            f"{redact(prefix)}: a URL prefix cannot carry a query or fragment (PREFIX.idx and "
+            "PREFIX.bin are named by adding to it); give the store's credentials in its "
+            "environment or fsspec configuration instead"
+        )
+    return prefix
 
 
 class RemoteCorpus:
@@ -126,7 +138,7 @@ class RemoteCorpus:
 
     def __init__(self, prefix: str, options: StoreOptions) -> None:
         set_timeout(options.timeout_s, f"{options.key_prefix}remote_timeout_s")
-        self.url, self.options = prefix, options
+        self.url, self.options = _plain_prefix(prefix), options
         self.idx_url, self.bin_url = idx_path(prefix), bin_path(prefix)
         self.metadata_url = metadata_path(prefix)
         idx_pin = current_pin(self.idx_url, missing_ok=True)
