@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pickle
 import time
 import uuid
 import warnings
@@ -145,8 +146,11 @@ def test_a_server_gone_mid_run_ends_in_one_line_within_the_timeouts(tmp_path, lo
     with _relayed(endpoint, Faults()) as server, s3_endpoint(server.url().rstrip("/")):
         config = _config(tmp_path / "cache", remote_timeout_s=0.5)
         remote = GPTDataset(f"s3://{bucket}/a", "train", None, config)
-        remote[0]
+        first = remote[0]
         server.go_down()
+        # A worker's copy reopens from the pins and the cache: no request to the store.
+        copy = pickle.loads(pickle.dumps(remote))
+        np.testing.assert_array_equal(copy[0]["tokens"], first["tokens"])
         start = time.monotonic()
         with pytest.raises(HpDataError) as info:
             for i in range(len(remote)):
