@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 from hp_data.errors import HpDataError
 from hp_runtime.train.config import ConfigError, load_config
@@ -60,31 +61,49 @@ def _s3_ranks(world: int, endpoint: str, overrides: list[str]) -> list[dict]:
     return run_ranks(_s3_rank, world, endpoint, [*FAST, *overrides])
 
 
-def test_one_process_over_s3_trains_bit_identically_to_the_local_files(tmp_path, corpora):
-    local, bucket, endpoint = corpora
-    blend = "0.3 {a} 0.7 {c}"
-    on_disk = train_ranks(1, _run(tmp_path, "local", blend.format(**local)))
-    urls = {name: f"s3://{bucket}/{name}" for name in local}
-    remote = _s3_ranks(1, endpoint, _run(tmp_path, "s3", blend.format(**urls)))
-    assert remote[0]["losses"] == on_disk[0]["losses"]
-    assert len(on_disk[0]["losses"]) == 3
+# A blend for training, another corpus for validation; 2 micro-batches of 2 a step.
+LAYOUT = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=3",
+          "train.eval_iters=1"]  # fmt: skip
 
 
-def test_two_fsdp_ranks_over_s3_with_validation_equal_the_local_run(tmp_path, corpora):
-    local, bucket, endpoint = corpora
-    layout = ["parallel.dp_shard=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-              "train.eval_interval=3", "train.eval_iters=1"]  # fmt: skip
-    on_disk = train_ranks(
-        2, _run(tmp_path, "local", local["a"], f"data.valid_path={local['c']}", *layout)
-    )
-    remote = _s3_ranks(
-        2,
-        endpoint,
-        _run(tmp_path, "s3", f"s3://{bucket}/a", f"data.valid_path=s3://{bucket}/c", *layout),
-    )
-    for got, want in zip(remote, on_disk, strict=True):
-        assert got["losses"] == want["losses"]
-        assert got["val_losses"] == want["val_losses"] != {}
+def _blend(names: dict[str, str]) -> str:
+    return f"0.3 {names['a']} 0.7 {names['c']}"
+
+
+@pytest.fixture(scope="module")
+def on_disk(corpora, tmp_path_factory):
+    """The run on the local files, one process: the reference."""
+    local, _, _ = corpora
+    root = tmp_path_factory.mktemp("on-disk")
+    valid = f"data.valid_path={local['c']}"
+    return train_ranks(1, _run(root, "local", _blend(local), valid, *LAYOUT))[0]
+
+
+def _remote_run(tmp_path, bucket: str) -> list[str]:
+    valid = f"data.valid_path=s3://{bucket}/c"
+    urls = {name: f"s3://{bucket}/{name}" for name in ("a", "c")}
+    return _run(tmp_path, "s3", _blend(urls), valid, *LAYOUT)
+
+
+def test_one_process_over_s3_trains_bit_identically_to_the_local_files(tmp_path, corpora, on_disk):
+    _, bucket, endpoint = corpora
+    remote = _s3_ranks(1, endpoint, _remote_run(tmp_path, bucket))[0]
+    assert remote["losses"] == on_disk["losses"]
+    assert remote["val_losses"] == on_disk["val_losses"] != {}
+    assert len(on_disk["losses"]) == 3
+
+
+def test_two_fsdp_ranks_over_s3_give_the_local_run_losses(tmp_path, corpora, on_disk):
+    """FSDP 2 with one micro-batch a rank: the local run's losses, as every layout gives them
+    (tests/runtime/train/test_loss_equivalence.py: to float rounding)."""
+    _, bucket, endpoint = corpora
+    steps = sorted(on_disk["val_losses"])
+    for rank in _s3_ranks(2, endpoint, [*_remote_run(tmp_path, bucket), "parallel.dp_shard=2"]):
+        np.testing.assert_allclose(rank["losses"], on_disk["losses"], rtol=1e-5, atol=0)
+        assert sorted(rank["val_losses"]) == steps
+        got = [rank["val_losses"][s] for s in steps]
+        want = [on_disk["val_losses"][s] for s in steps]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
 def test_the_vocabulary_check_reads_the_record_not_the_bin(tmp_path, corpora):
