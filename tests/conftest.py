@@ -1,4 +1,4 @@
-"""Fixtures shared by every test: the repo's paths and the shipped example."""
+"""Fixtures shared by every test: the repo's paths, the shipped example and a local S3 server."""
 
 from __future__ import annotations
 
@@ -26,6 +26,26 @@ def example_corpus() -> Path:
 @pytest.fixture(scope="session")
 def example_tokenizer() -> Path:
     return REPO / "examples" / "tokenizer.json"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on a free port of this machine; its address in fsspec's and boto's
+    environment variables, which the hp-data processes started by a test inherit. moto keeps
+    buckets per process, across servers: each test names buckets of its own."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
+    }
+    yield env
+    server.stop()
 
 
 # Files whose tests launch whole jobs (torchrun's ranks, a Ray cluster). On CI's two cores two of

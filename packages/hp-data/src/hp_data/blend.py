@@ -24,6 +24,7 @@ from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.gpt import GPTDataset, GPTDatasetConfig, epoch_samples
 from hp_data.index import BLENDING_DTYPES, SPLITS, build_blending_indices, parse_split
+from hp_data.object_store import distinct, exists, is_url
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus
 
@@ -170,6 +171,17 @@ class BlendableDataset:
         sample = int(self.dataset_sample_index[idx]) % int(self._wrap[k])
         return {"dataset_id": k, **self.datasets[k][sample]}
 
+    def chunks_for(self, sample_ids: Sequence[int]) -> list[tuple[Any, int]]:
+        """The remote chunks samples `sample_ids` read (`GPTDataset.chunks_for`), in order."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        which = self.dataset_index[ids].astype(np.int64)
+        inner = self.dataset_sample_index[ids].astype(np.int64) % self._wrap[which]
+        return distinct(
+            pair
+            for k, sample in zip(which.tolist(), inner.tolist(), strict=True)
+            for pair in getattr(self.datasets[k], "chunks_for", lambda ids: [])([sample])
+        )
+
 
 # Megatron-LM's --eval-iters and --eval-interval defaults.
 EVAL_ITERS, EVAL_INTERVAL = 100, 1000
@@ -293,6 +305,10 @@ def build_split(
     prefixes, weights = parse_blend(spec)
     prefixes = [prefix_of(prefix) for prefix in prefixes]  # a .bin/.idx path names its prefix
     for prefix in prefixes:
+        if is_url(prefix):  # asked of the store; recovery is of local commits only
+            if not exists(prefix):
+                raise HpDataError(f"{prefix}.idx: no such dataset")
+            continue
         recover(prefix)
         if not os.path.exists(prefix + ".idx"):
             raise HpDataError(f"{prefix}.idx: no such dataset")

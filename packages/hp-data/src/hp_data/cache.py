@@ -34,11 +34,20 @@ def cache_key(description: dict[str, Any]) -> str:
 
 
 @contextmanager
-def key_lock(base: str) -> Iterator[None]:
+def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
     """Held while one key is built: builders of the same key, in any process, take turns,
-    and the later ones find what the first committed."""
+    and the later ones find what the first committed. `timeout`: seconds to wait for the
+    holder before `TimeoutError` (None: as long as it takes; a holder that dies lets go)."""
     with open(f"{base}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:  # type: ignore[operator]
+                    raise TimeoutError(f"{base}.lock: held for more than {timeout:g} s") from None
+                time.sleep(0.02)
         yield
 
 

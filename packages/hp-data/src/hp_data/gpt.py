@@ -7,7 +7,7 @@ numpy arrays; `hp_data.torch` turns them into tensors.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,8 @@ from hp_data.index import (
     plan_gpt_indices,
     split_ranges,
 )
+from hp_data.object_store import DEFAULT_CACHE_GB, DEFAULT_CHUNK_MB, StoreOptions
+from hp_data.remote import DEFAULT_TIMEOUT
 
 PAD_TOKEN = -1  # megatron-core's _PAD_TOKEN_ID: never a real id, zeroed in the item
 MAX_SEQ_LENGTH = 2**31 - 2  # a sample of L + 1 tokens still counts in int32
@@ -46,6 +48,10 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     return_cu_seqlens: bool = False
     cache_dir: str | None = None
+    # A URL prefix's node-local cache (hp_data.object_store): chunk size, bound, timeout.
+    remote_chunk_mb: float = DEFAULT_CHUNK_MB
+    remote_cache_gb: float = DEFAULT_CACHE_GB
+    remote_timeout_s: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         # Refused here, by name, rather than deep inside numpy (a seed numpy's RandomState
@@ -66,7 +72,7 @@ def corpus_fingerprint(dataset: IndexedDataset) -> dict[str, Any]:
         "dtype": str(dataset.dtype),
         "sequences": len(dataset),
         "sequence_lengths_xxh3": _hash_array(dataset.sequence_lengths),
-        "bin_bytes": os.path.getsize(dataset.bin_path),
+        "bin_bytes": dataset.bin_bytes,  # never a stat: the .bin may be behind a URL
     }
 
 
@@ -100,7 +106,7 @@ def _split_plan(
 def epoch_samples(prefix: str, split_name: str, config: GPTDatasetConfig) -> int:
     """Samples in one epoch of `split_name` of the dataset at `prefix`: the length of a
     GPTDataset built with `num_samples=None`, without building its indices."""
-    with IndexedDataset(prefix, validate=False) as dataset:
+    with IndexedDataset(prefix, validate=False, store=StoreOptions.of(config)) as dataset:
         return _split_plan(dataset, split_name, None, config)[2].num_samples
 
 
@@ -125,7 +131,8 @@ class GPTDataset:
         if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
             raise HpDataError("eod_mask_loss and reset_position_ids need the EOD token id")
         opened = not isinstance(dataset, IndexedDataset)
-        self.dataset = IndexedDataset(dataset) if opened else dataset
+        store = StoreOptions.of(config)
+        self.dataset = IndexedDataset(dataset, store=store) if opened else dataset
         self.split_name = split_name
         self.config = config
         self.num_samples = num_samples
@@ -214,15 +221,25 @@ class GPTDataset:
         """The `seq_length + extra` token ids (int64, padded) of sample `idx`, and where each
         document part ends inside them."""
         length = self.config.seq_length + self._extra
+        out = np.empty(length, dtype=np.int64)
+        ends = []
+        filled = 0
+        for sequence, offset, count in self._parts(idx):
+            part = self.dataset.get(sequence, offset, count)
+            out[filled : filled + len(part)] = part
+            filled += len(part)
+            ends.append(filled)
+        out[filled:] = self.config.pad_token
+        return out, np.array(ends, dtype=np.int64)
+
+    def _parts(self, idx: int) -> Iterator[tuple[int, int, int]]:
+        """(sequence, first token, token count) of each document part of sample `idx`."""
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         row = self._shuffle_view.item(idx)
         first, first_offset = self._samples_view.item(row, 0), self._samples_view.item(row, 1)
         last, last_offset = self._samples_view.item(row + 1, 0), self._samples_view.item(row + 1, 1)
-        out = np.empty(length, dtype=np.int64)
         lengths, documents = self.dataset.sequence_lengths, self._documents_view
-        ends = []
-        filled = 0
         for position in range(first, last + 1):
             sequence = documents.item(position)
             offset = first_offset if position == first else 0
@@ -230,12 +247,21 @@ class GPTDataset:
                 count = last_offset + self._extra - offset
             else:
                 count = lengths.item(sequence) - offset
-            part = self.dataset.get(sequence, offset, count)
-            out[filled : filled + len(part)] = part
-            filled += len(part)
-            ends.append(filled)
-        out[filled:] = self.config.pad_token
-        return out, np.array(ends, dtype=np.int64)
+            yield sequence, offset, count
+
+    def chunks_for(self, sample_ids: Iterable[int]) -> list[tuple[Any, int]]:
+        """The (corpus, chunk) pairs of a URL prefix's cache that samples `sample_ids` read,
+        in reading order, each once (none for a local prefix): what `ReadAhead` fetches."""
+        remote = self.dataset.remote
+        if remote is None:
+            return []
+        pointers, itemsize = self.dataset.sequence_pointers, self.dataset.dtype.itemsize
+        seen: dict[int, None] = {}
+        for idx in sample_ids:
+            for sequence, offset, count in self._parts(int(idx)):
+                start = pointers.item(sequence) + offset * itemsize
+                seen.update(dict.fromkeys(remote.chunks(start, start + count * itemsize)))
+        return [(remote, chunk) for chunk in seen]
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         text, ends = self.sample_tokens(int(idx))

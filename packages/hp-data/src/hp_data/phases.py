@@ -35,6 +35,7 @@ from hp_data.format.reader import IndexedDataset
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDataset, GPTDatasetConfig, corpus_fingerprint
 from hp_data.gpt import epoch_samples as split_epoch_samples
 from hp_data.index import BLENDING_DTYPES, build_blending_indices
+from hp_data.object_store import StoreOptions, distinct
 from hp_data.redact import redact
 
 INT64_MAX = 2**63 - 1
@@ -421,8 +422,10 @@ class PhasedDataset:
         corpora: dict[str, IndexedDataset] = {}
         for stream, demand in zip(plan.streams, total, strict=True):
             count = -(-int(demand) // stream.epoch_samples) if demand else 0
-            if stream.prefix not in corpora:
-                corpora[stream.prefix] = IndexedDataset(stream.prefix)
+            if stream.prefix not in corpora:  # a URL prefix reads through the node's cache
+                corpora[stream.prefix] = IndexedDataset(
+                    stream.prefix, store=StoreOptions.of(config)
+                )
             self.epochs.append(
                 [
                     GPTDataset(
@@ -467,6 +470,19 @@ class PhasedDataset:
 
     def state_at(self, step: int, samples: int) -> dict[str, Any]:
         return self.plan.state_at(step, samples)
+
+    def chunks_for(self, sample_ids: Sequence[int]) -> list[tuple[Any, int]]:
+        """The remote chunks samples `sample_ids` read, in order, each once (`ReadAhead`)."""
+        streams, positions = self.plan.locate(sample_ids)
+        return distinct(
+            pair
+            for stream, position in zip(streams.tolist(), positions.tolist(), strict=True)
+            for pair in self._epoch_row(stream, position)
+        )
+
+    def _epoch_row(self, stream: int, position: int) -> list[tuple[Any, int]]:
+        epoch, row = divmod(position, self._sizes[stream])
+        return self.epochs[stream][epoch].chunks_for([row])
 
 
 def build_phased(

@@ -53,6 +53,7 @@ _STRONG_KEYS = (
 _MODIFIED_KEYS = ("LastModified", "last_modified", "Last-Modified", "mtime", "updated", "created")
 
 _timeout = DEFAULT_TIMEOUT
+_timeout_name = "--remote-timeout"  # what messages call the setting (hp-train: a config key)
 T = TypeVar("T")
 
 
@@ -70,11 +71,13 @@ def local_path(spec: str) -> str:
     return unquote(parts.path) if parts.netloc in ("", "localhost") and parts.path else spec
 
 
-def set_timeout(seconds: float) -> None:
-    """Give every remote request of this process `seconds` to connect and between bytes."""
-    global _timeout
+def set_timeout(seconds: float, name: str = "--remote-timeout") -> None:
+    """Give every remote request of this process `seconds` to connect and between bytes;
+    `name` is what messages call the setting."""
+    global _timeout, _timeout_name
     if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
-        raise PreprocessError(f"--remote-timeout {seconds!r}: give a positive number of seconds")
+        raise PreprocessError(f"{name} {seconds!r}: give a positive number of seconds")
+    _timeout_name = name
     if seconds != _timeout:
         _timeout = float(seconds)
         _filesystem.cache_clear()
@@ -154,6 +157,10 @@ def _filesystem(protocol: str) -> Any:
     if protocol in ("s3", "s3a"):
         fs.retries = 1  # s3fs's own retry loop: hp's (`_retrying`) is the one policy
     return fs
+
+
+if hasattr(os, "register_at_fork"):  # a forked DataLoader worker: fsspec's async clients
+    os.register_at_fork(after_in_child=_filesystem.cache_clear)  # are not fork-safe
 
 
 def _options(protocol: str) -> dict[str, Any]:
@@ -275,12 +282,20 @@ def _now(path: str) -> Pin:
             return Pin.of_stat(os.stat(path))
         except FileNotFoundError:
             raise PreprocessError(f"{path}: no such file (deleted during the run?)") from None
-    fs, stripped = _split(path)
+    return current_pin(path)  # type: ignore[return-value]
+
+
+def current_pin(url: str, missing_ok: bool = False) -> Pin | None:
+    """The pin of the object at `url` as it is now, asked of the store (never a cached
+    listing); None for a missing one when `missing_ok`."""
+    fs, stripped = _split(url)
     fs.invalidate_cache(stripped)
     try:
         return Pin.of_info(_retrying(lambda: fs.info(stripped)))
     except Exception as exc:
-        raise _failure(path, exc) from None
+        if missing_ok and _missing(exc):
+            return None
+        raise _failure(url, exc) from None
 
 
 def check_unchanged(path: str, pin: Pin | None) -> None:
@@ -475,7 +490,7 @@ def _describe(exc: BaseException) -> str:
     if _timed_out(exc):
         whole = REQUEST_TIMEOUTS * _timeout
         return (
-            f"no answer within {_timeout:g} s (--remote-timeout; an http(s) request may take "
+            f"no answer within {_timeout:g} s ({_timeout_name}; an http(s) request may take "
             f"{whole:g} s in all), {TRIES} tries"
         )
     if _unreachable(exc):

@@ -19,6 +19,7 @@ from hp_data.format.header import (
     read_layout,
 )
 from hp_data.format.validate import array_problems, bin_size_problem
+from hp_data.object_store import RemoteCorpus, StoreOptions, is_url
 
 
 class IndexedDataset:
@@ -31,6 +32,10 @@ class IndexedDataset:
     Opening checks every structural invariant (see `hp_data.format.validate`) and raises
     `IndexedDatasetError` naming the file; pass `validate=False` to skip the array checks
     (the header and file sizes are always checked).
+
+    A URL prefix (`s3://bucket/corpus`, hp_data.object_store) is read through the node-local
+    cache `store` describes (None: the defaults): its index arrays come from the cached `.idx`,
+    mapped as a local one is, its tokens from the `.bin`'s cached chunks.
     """
 
     def __init__(
@@ -39,19 +44,35 @@ class IndexedDataset:
         mmap: bool = True,
         multimodal: bool = False,
         validate: bool = True,
+        store: StoreOptions | None = None,
     ) -> None:
         self.path_prefix = os.fspath(path)
         self.mmap = mmap
         self.multimodal = multimodal
         self._validate = validate
+        self._store = store
+        self.remote: RemoteCorpus | None = None
         self._open()
+
+    def _open_remote(self) -> IndexLayout:
+        if self.remote is None:  # else unpickled: no request to the store
+            self.remote = RemoteCorpus(self.idx_path[:-4], self._store or StoreOptions())
+        local = self.remote.local_prefix + ".idx"
+        try:
+            return read_layout(local, self.multimodal)
+        except IndexedDatasetError as exc:  # named as the user named it
+            raise IndexedDatasetError(str(exc).replace(local, self.idx_path)) from None
 
     def _open(self) -> None:
         self.idx_path = idx_path(self.path_prefix)
         self.bin_path = bin_path(self.path_prefix)
         self.path_prefix = self.idx_path[:-4]
-        recover(self.path_prefix)  # a commit a kill interrupted is finished before reading
-        self._layout: IndexLayout = read_layout(self.idx_path, self.multimodal)
+        self._bin_file = None
+        if is_url(self.path_prefix):
+            self._layout: IndexLayout = self._open_remote()
+        else:
+            recover(self.path_prefix)  # a commit a kill interrupted is finished before reading
+            self._layout = read_layout(self.idx_path, self.multimodal)
         layout = self._layout
         self.dtype: np.dtype = layout.dtype
         self._itemsize = layout.dtype.itemsize
@@ -60,8 +81,9 @@ class IndexedDataset:
             layout, with_modes=self.multimodal
         )
 
-        self._bin_file = open_input(self.bin_path, IndexedDatasetError, "a .bin file")
-        bin_size = os.fstat(self._bin_file.fileno()).st_size
+        if self.remote is None:
+            self._bin_file = open_input(self.bin_path, IndexedDatasetError, "a .bin file")
+        bin_size = self._bin_size()
         if self._validate:
             problems: Iterable[str] = array_problems(
                 self._lengths,
@@ -79,7 +101,8 @@ class IndexedDataset:
         for problem in problems:
             self.close()
             raise IndexedDatasetError(problem)
-        bin_map = map_file(self._bin_file, bin_size) if self.mmap else None
+        local_map = self.mmap and self._bin_file is not None
+        bin_map = map_file(self._bin_file, bin_size) if local_map else None
         self._bin_view = memoryview(bin_map) if bin_map is not None else None
 
     # -- the index -------------------------------------------------------------------------
@@ -118,10 +141,12 @@ class IndexedDataset:
     # -- reads -----------------------------------------------------------------------------
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        if self.remote is not None:
+            return self.remote.read(byte_offset, count * self._itemsize).view(self.dtype)
         if self._bin_view is not None:
             # The map is read-only, so the view is too: zero-copy and safe to hand out.
             return np.frombuffer(self._bin_view, self.dtype, count, byte_offset)
-        if self._bin_file.closed:
+        if self._bin_file is None or self._bin_file.closed:
             raise IndexedDatasetError(f"{self.path_prefix}: read after close(); open it again")
         out = np.empty(count, dtype=self.dtype)
         got = os.preadv(self._bin_file.fileno(), [out], byte_offset)
@@ -187,7 +212,14 @@ class IndexedDataset:
     # -- lifetime --------------------------------------------------------------------------
 
     def _bin_size(self) -> int:
-        return os.fstat(self._bin_file.fileno()).st_size
+        if self.remote is not None:
+            return self.remote.bin_size
+        return os.fstat(self._bin_file.fileno()).st_size  # type: ignore[union-attr]
+
+    @property
+    def bin_bytes(self) -> int:
+        """The size of the `.bin` (local or behind a URL, asked of neither again)."""
+        return self._bin_size()
 
     def close(self) -> None:
         """Release the file handle and maps; views handed out keep their memory alive."""
@@ -195,6 +227,8 @@ class IndexedDataset:
         bin_file = getattr(self, "_bin_file", None)
         if bin_file is not None:
             bin_file.close()
+        if getattr(self, "remote", None) is not None:
+            self.remote.close()  # type: ignore[union-attr]
 
     def __enter__(self) -> IndexedDataset:
         return self
@@ -203,12 +237,15 @@ class IndexedDataset:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Maps and file handles do not pickle; a DataLoader worker reopens by path.
+        # Maps and file handles do not pickle; a DataLoader worker reopens by path (a URL's
+        # pins and cache directory with it: the store is not asked again).
         return {
             "path_prefix": self.path_prefix,
             "mmap": self.mmap,
             "multimodal": self.multimodal,
             "_validate": False,
+            "_store": self._store,
+            "remote": self.remote,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:

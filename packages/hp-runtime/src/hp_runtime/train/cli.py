@@ -28,8 +28,10 @@ T = TypeVar("T")
 
 
 def _fail(message: str, code: int, rank: int) -> None:
+    from hp_data.redact import redact  # a URL's credentials (data.path) are never printed
+
     if rank == 0:
-        click.echo(f"hp-train: error: {message}", err=True)
+        click.echo(f"hp-train: error: {redact(message)}", err=True)
     sys.exit(code)
 
 

@@ -62,6 +62,9 @@ class DataConfig(DatasetConfig):
         "phases",
         "seed",
         "cache_dir",
+        "remote_chunk_mb",
+        "remote_cache_gb",
+        "remote_timeout_s",
         "eod_mask_loss",
         "reset_position_ids",
         "document_masking",
@@ -307,6 +310,9 @@ RANGES: dict[str, Range] = {
     "data.eod_token": _ints(0),
     "data.num_workers": _ints(0, 1024),  # processes per rank
     "data.prefetch_factor": _ints(1, 1024),
+    "data.remote_chunk_mb": Range(1 / 256, 4096.0),  # a 4 KiB page (tests) to 4 GiB
+    "data.remote_cache_gb": POSITIVE,
+    "data.remote_timeout_s": POSITIVE,
     "parallel.dp_replicate": _ints(1),
     "parallel.dp_shard": _ints(1),
     "parallel.cp": _ints(1),
@@ -738,6 +744,8 @@ def _need_corpus(key: str, config: Config, spec: str) -> None:
     except HpDataError as exc:
         raise ConfigError(f"{key}: {_reason(exc)}") from None
     for prefix in map(prefix_of, prefixes):
+        if is_url(prefix):
+            continue  # asked of the store when the data is read (train/data.py `_prefixes`)
         if _kind(journal_path(prefix)) is not None:
             continue  # an interrupted write, which opening the dataset finishes
         for suffix in (".idx", ".bin"):

@@ -26,6 +26,7 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
+from hp_data.object_store import ReadAhead, StoreOptions, exists, is_url
 from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases, resolve_starts
 from hp_data.registry import (
     build_dataset,
@@ -248,8 +249,15 @@ def _prefixes(key: str, spec: str) -> list[str]:
     except HpDataError as exc:
         raise TrainError(f"{key}: {exc}") from None
     for prefix in prefixes:
-        recover(prefix)
-        if not os.path.exists(prefix + ".idx"):
+        if is_url(prefix):  # asked of the store (the .idx's HEAD)
+            try:
+                found = exists(prefix)
+            except HpDataError as exc:
+                raise TrainError(f"{key}: {exc}") from None
+        else:
+            recover(prefix)
+            found = os.path.exists(prefix + ".idx")
+        if not found:
             raise TrainError(f"{key}: {prefix}.idx: no such dataset")
     return prefixes
 
@@ -324,7 +332,7 @@ def check_data(config: Config, configs: dict[str, DataConfig]) -> dict[str, Data
             specs = [("data.phases[0].path", part.path)]
         recorded = {}
         for prefix in (p for k, spec in specs for p in _prefixes(k, spec)):  # type: ignore[arg-type]
-            found = token_ids(prefix, part.cache_dir, limit)
+            found = token_ids(prefix, part.cache_dir, limit, StoreOptions.of(part))
             recorded[prefix] = found.metadata
             if found.largest is not None and found.largest >= limit:
                 vocabulary = (found.metadata or {}).get("vocab_size")
@@ -457,7 +465,9 @@ class Loader:
     """This rank's micro-batches from `consumed_samples` on, moved to the device; the time
     spent waiting for them is kept in `waited` (seconds, reset by the caller). `workers`
     DataLoader processes (`data.num_workers`; None: 1 on a multi-core machine, 0 on one
-    core). With `background`, batches are received ahead on a thread (`depth` of them)."""
+    core). With `background`, batches are received ahead on a thread (`depth` of them). The
+    chunks of a URL prefix that the next micro-batches will read are fetched ahead into the
+    node's cache (`ReadAhead`), as far ahead as the DataLoader's own prefetch and one step."""
 
     def __init__(
         self,
@@ -486,13 +496,37 @@ class Loader:
         self.depth = 2 * plan.accumulation if background else 0
         self.waited = 0.0
         self._iterator: Iterator[Batch] | _Prefetch | None = None
+        self.read_ahead = ReadAhead(dataset)
+        self._ahead = self.depth + max(workers, 1) * prefetch_factor + plan.accumulation
+        self._next, self._taken = consumed_samples, 0  # where the next micro-batch starts
 
     def restart(self, consumed_samples: int) -> None:
         """Start over from `consumed_samples` (validation starts at 0 every time)."""
         self.sampler.load_state_dict({"consumed_samples": consumed_samples})
         self._iterator = None
+        self._next, self._taken = consumed_samples, 0
+
+    def _coming(self) -> list[int]:
+        """The sample ids of this rank's next micro-batches (the sampler's order: global
+        micro-batch j starts `j * mbs * dp` samples on; this rank reads its slice)."""
+        s = self.sampler
+        first = (
+            self._next
+            + self._taken * s.global_batch_size
+            + s.data_parallel_rank * s.micro_batch_size
+        )
+        return [
+            start + i
+            for start in range(
+                first, first + self._ahead * s.global_batch_size, s.global_batch_size
+            )
+            for i in range(s.micro_batch_size)
+            if start + i < s.total_samples
+        ]
 
     def take(self, count: int) -> list[Batch]:
+        self.read_ahead.want(self._coming())
+        self._taken += count
         if self._iterator is None:
             self._iterator = _Prefetch(self.loader, self.depth) if self.depth else iter(self.loader)
         out = []

@@ -1,0 +1,459 @@
+"""A Megatron `.bin`/`.idx` pair behind an fsspec URL (`s3://`, `gs://`, `az://`, `hf://`,
+`https://`, `memory://`), read through a node-local cache, so that a run on many machines
+reads its corpus from object storage instead of a copy on every disk.
+
+Layout, under `CACHE/remote/` (`CACHE`: the index cache directory)::
+
+    KEY/                      KEY: xxh3 of the prefix URL and its three objects' pins
+        source.json           the URL (credentials redacted) and the pins, for people
+        dataset.idx           the .idx, fetched whole, once per node
+        dataset.hp.json       the .hp.json, where the prefix has one
+        chunks-BYTES/NNNNNNNNNN.chunk   .bin bytes [N * BYTES, (N + 1) * BYTES), on demand
+
+An object is pinned (`remote.Pin`: its size and ETag, version id or modification time) when
+the dataset opens; a changed object gets another KEY, so nothing of two versions is ever
+mixed. Every download is one range of one pinned object (`remote.open_pinned`: s3fs reads with
+If-Match, other stores are asked for the pin again around the read), retried as every remote
+read is, checked to hold exactly the bytes the `.idx` says the `.bin` has there, written to a
+temporary name and renamed into place, under a file lock per chunk (striped): every rank and
+DataLoader worker of a machine shares one download of each chunk, and waits for another's for
+at most `WAIT_TIMEOUTS` request timeouts. A chunk file of the wrong size (a damaged cache) is
+fetched again. The chunk files together are kept under `cache_bytes` by deleting the least
+recently used ones: only chunk files, only inside `CACHE/remote/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hp_data.cache import cache_key, key_lock, resolve_cache_dir
+from hp_data.errors import HpDataError, IndexedDatasetError
+from hp_data.format.header import bin_path, idx_path, metadata_path
+from hp_data.redact import redact, redact_data
+from hp_data.remote import (
+    DEFAULT_TIMEOUT,
+    Pin,
+    canonical_url,
+    current_pin,
+    is_url,
+    open_pinned,
+    set_timeout,
+)
+
+DEFAULT_CHUNK_MB = 64.0  # data.remote_chunk_mb
+DEFAULT_CACHE_GB = 100.0  # data.remote_cache_gb: a 50B-token uint16 corpus fits whole
+PAGE = 4096  # chunk sizes are whole pages: a token never straddles two chunks' alignment
+WAIT_TIMEOUTS = 10  # another process's download is waited for this many request timeouts
+_STRIPES = 64  # lock files per corpus: a bounded number, whatever the number of chunks
+# Chunk maps one process keeps open: at least 8, else 1 GiB of them. A map keeps an evicted
+# chunk's disk space until it is dropped, so this bounds what eviction can lag behind.
+_MAPS, _MAP_BYTES = 8, 1 << 30
+_COPY_BLOCK = 16 << 20  # bytes read at a time into a cache file
+_CHUNK_NAME = re.compile(r"\d{10}\.chunk")
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How URL prefixes are read: the cache directory (None: the shared temporary one), the
+    chunk size in MiB (a float, so that tests use a few KiB), the cache bound in GiB and each
+    request's timeout in seconds. `key_prefix` names the fields in messages (hp-train's
+    "data.")."""
+
+    cache_dir: str | None = None
+    chunk_mb: float = DEFAULT_CHUNK_MB
+    cache_gb: float = DEFAULT_CACHE_GB
+    timeout_s: float = DEFAULT_TIMEOUT
+    key_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        limits = (
+            ("remote_chunk_mb", self.chunk_mb, PAGE / 2**20, "at least 1/256 MiB (a 4 KiB page)"),
+            ("remote_cache_gb", self.cache_gb, 0.0, "a positive size in GiB"),
+            ("remote_timeout_s", self.timeout_s, 0.0, "a positive number of seconds"),
+        )
+        for name, value, low, hint in limits:
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and (value >= low if low else value > 0)):
+                raise HpDataError(f"{self.key_prefix}{name} = {value!r}: give {hint}")
+
+    @classmethod
+    def of(cls, config: Any) -> StoreOptions:
+        """The options a dataset config (`GPTDatasetConfig`, hp-train's `[data]`) gives."""
+        return cls(
+            config.cache_dir,
+            config.remote_chunk_mb,
+            config.remote_cache_gb,
+            config.remote_timeout_s,
+            getattr(config, "key_prefix", ""),
+        )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(PAGE, int(self.chunk_mb * 2**20) // PAGE * PAGE)
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(self.cache_gb * 2**30)
+
+    @property
+    def wait_s(self) -> float:
+        return WAIT_TIMEOUTS * self.timeout_s
+
+
+def exists(prefix: str) -> bool:
+    """Whether the URL `prefix` names a dataset (its `.idx` is there): asked of the store."""
+    return current_pin(idx_path(_plain_prefix(prefix)), missing_ok=True) is not None
+
+
+def _plain_prefix(prefix: str) -> str:
+    """`prefix`, refused when it has a query or fragment: the files' names are made by adding
+    `.idx` and `.bin` to it, and a presigned URL signs one object, not a prefix."""
+    if "?" in prefix or "#" in prefix:
+        raise IndexedDatasetError(
+            f"{redact(prefix)}: a URL prefix cannot carry a query or fragment (PREFIX.idx and "
+            "PREFIX.bin are named by adding to it); give the store's credentials in its "
+            "environment or fsspec configuration instead"
+        )
+    return prefix
+
+
+class RemoteCorpus:
+    """One URL prefix: its objects pinned, its `.idx` and `.hp.json` copied into the cache,
+    its `.bin` read by chunks. Pickles as its pins and directory: a DataLoader worker reopens
+    it without asking the store again."""
+
+    def __init__(self, prefix: str, options: StoreOptions) -> None:
+        set_timeout(options.timeout_s, f"{options.key_prefix}remote_timeout_s")
+        self.url, self.options = _plain_prefix(prefix), options
+        self.idx_url, self.bin_url = idx_path(prefix), bin_path(prefix)
+        self.metadata_url = metadata_path(prefix)
+        idx_pin = current_pin(self.idx_url, missing_ok=True)
+        if idx_pin is None:
+            raise IndexedDatasetError(f"{redact(self.idx_url)}: no such dataset")
+        self.pins: dict[str, Pin | None] = {
+            "idx": idx_pin,
+            "bin": current_pin(self.bin_url),
+            "metadata": current_pin(self.metadata_url, missing_ok=True),
+        }
+        self._warn()
+        key = cache_key({"url": canonical_url(prefix), "pins": repr(sorted(self.pins.items()))})
+        self.directory = os.path.join(self.root(options), key)
+        self._start()
+        self._copy_small()
+
+    def _start(self) -> None:
+        self.chunk_bytes = self.options.chunk_bytes
+        self.chunk_dir = os.path.join(self.directory, f"chunks-{self.chunk_bytes}")
+        os.makedirs(self.chunk_dir, exist_ok=True)
+        self.local_prefix = os.path.join(self.directory, "dataset")
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def root(options: StoreOptions) -> str:
+        return os.path.join(resolve_cache_dir(options.cache_dir), "remote")
+
+    @property
+    def bin_size(self) -> int:
+        return self.pins["bin"].size  # type: ignore[union-attr]
+
+    def _warn(self) -> None:
+        pins = [(self.idx_url, self.pins["idx"]), (self.bin_url, self.pins["bin"])]
+        for url in [url for url, pin in pins if pin is not None and not pin.strong]:
+            _warn_once(
+                url,
+                f"{redact(url)}: no ETag, version id or content hash: only its size and "
+                "modification time show a change while the run reads it",
+            )
+        if self.bin_size > self.options.cache_bytes:
+            _warn_once(
+                f"{self.bin_url} size",
+                f"{redact(self.bin_url)}: {self.bin_size / 2**30:.3g} GiB, more than "
+                f"{self.options.key_prefix}remote_cache_gb = {self.options.cache_gb:g}: "
+                "shuffled samples will download evicted chunks again; give the cache room "
+                "for the whole .bin where the disk allows",
+            )
+
+    def _copy_small(self) -> None:
+        """The `.idx` and `.hp.json`, fetched once per node (under a lock) and kept."""
+        wanted = [(self.idx_url, self.pins["idx"], ".idx")]
+        wanted += [(self.metadata_url, self.pins["metadata"], ".hp.json")]
+        wanted = [(u, p, s) for u, p, s in wanted if p is not None]
+        if all(_whole(self.local_prefix + s, p.size) for _, p, s in wanted):  # type: ignore[union-attr]
+            return
+        with self._turn(os.path.join(self.directory, "copy"), self.idx_url, "the .idx"):
+            for url, pin, suffix in wanted:
+                if not _whole(self.local_prefix + suffix, pin.size):  # type: ignore[union-attr]
+                    _download(url, pin, 0, pin.size, self.local_prefix + suffix)  # type: ignore[union-attr,arg-type]
+            source = os.path.join(self.directory, "source.json")
+            if not os.path.exists(source):
+                record = {"url": self.url, "pins": {k: repr(p) for k, p in self.pins.items()}}
+                _write_atomic(source, json.dumps(redact_data(record), indent=2).encode())
+
+    @contextlib.contextmanager
+    def _turn(self, base: str, url: str, what: str) -> Iterator[None]:
+        """`key_lock(base)`, waited for within the bound, else one line naming `url`."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(key_lock(base, self.options.wait_s))
+            except TimeoutError:
+                key = f"{self.options.key_prefix}remote_timeout_s"
+                raise IndexedDatasetError(
+                    f"{redact(url)}: waited {self.options.wait_s:g} s ({WAIT_TIMEOUTS} x {key}) "
+                    f"for another process's download of {what}; is one stuck?"
+                ) from None
+            yield
+
+    # -- chunks ------------------------------------------------------------------------------
+
+    def chunks(self, start: int, end: int) -> range:
+        """The chunks that bytes [start, end) of the `.bin` lie in."""
+        return range(
+            start // self.chunk_bytes, (end - 1) // self.chunk_bytes + 1 if end > start else 0
+        )
+
+    def _span(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.bin_size)
+
+    def chunk_path(self, chunk: int) -> str:
+        return os.path.join(self.chunk_dir, f"{chunk:010d}.chunk")
+
+    def cached(self, chunk: int) -> bool:
+        start, end = self._span(chunk)
+        return _whole(self.chunk_path(chunk), end - start)
+
+    def fetch(self, chunk: int) -> str:
+        """The path of chunk `chunk`, whole: from the cache, else downloaded (once per node:
+        another process's download is waited for, within the bound)."""
+        path = self.chunk_path(chunk)
+        start, end = self._span(chunk)
+        if _whole(path, end - start):
+            return path
+        stripe = os.path.join(self.chunk_dir, f"stripe-{chunk % _STRIPES}")
+        with self._turn(stripe, self.bin_url, f"bytes {start}-{end}"):
+            if _whole(path, end - start):
+                return path  # another process's download
+            if os.path.exists(path):
+                warnings.warn(
+                    f"{path}: {os.path.getsize(path):,} of {end - start:,} bytes "
+                    f"(a damaged cache); fetching it again",
+                    stacklevel=2,
+                )
+                os.remove(path)
+            _download(self.bin_url, self.pins["bin"], start, end - start, path)  # type: ignore[arg-type]
+        evict(self.root(self.options), self.options.cache_bytes, keep=path)
+        return path
+
+    def _view(self, chunk: int) -> np.ndarray:
+        """Chunk `chunk` mapped (a few stay mapped in each process, most recent last)."""
+        found = self._maps.get(chunk)
+        if found is not None:
+            self._maps.move_to_end(chunk)
+            return found
+        start, end = self._span(chunk)
+        for _ in range(3):  # evicted between its download and its opening: fetched again
+            path = self.fetch(chunk)
+            try:
+                with open(path, "rb") as stream:
+                    if os.fstat(stream.fileno()).st_size != end - start:
+                        continue  # replaced under us by a damaged file: check it again
+                    view = np.memmap(stream, np.uint8, mode="r", shape=(end - start,))
+                os.utime(path)  # its use, for the least-recently-used eviction
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            raise IndexedDatasetError(
+                f"{redact(self.bin_url)}: bytes {start}-{end} left the cache as they were read; "
+                f"raise {self.options.key_prefix}remote_cache_gb"
+            )
+        self._maps[chunk] = view
+        if len(self._maps) > max(_MAPS, _MAP_BYTES // self.chunk_bytes):
+            self._maps.popitem(last=False)
+        return view
+
+    def read(self, offset: int, size: int) -> np.ndarray:
+        """Bytes [offset, offset + size) of the `.bin` (uint8, a copy), across chunks."""
+        out = np.empty(size, dtype=np.uint8)
+        done = 0
+        with self._lock:
+            while done < size:
+                chunk, inside = divmod(offset + done, self.chunk_bytes)
+                view = self._view(chunk)
+                count = min(size - done, len(view) - inside)
+                out[done : done + count] = view[inside : inside + count]
+                done += count
+        return out
+
+    def close(self) -> None:
+        self._maps.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("url", "options", "idx_url", "bin_url", "metadata_url", "pins", "directory")
+        return {name: self.__dict__[name] for name in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        set_timeout(self.options.timeout_s, f"{self.options.key_prefix}remote_timeout_s")
+        self._start()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=5)
+
+
+def _whole(path: str, size: int) -> bool:
+    try:
+        return os.stat(path).st_size == size
+    except FileNotFoundError:
+        return False
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "wb") as stream:
+        stream.write(data)
+    os.replace(tmp, path)
+
+
+def _download(url: str, pin: Pin, start: int, size: int, target: str) -> None:
+    """Bytes [start, start + size) of the pinned object at `url` into `target`, whole or not
+    at all (a temporary name renamed into place)."""
+    tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open_pinned(url, pin, "a dataset file") as stream, open(tmp, "wb") as out:
+            stream.seek(start)
+            left = size
+            while left:
+                block = stream.read(min(left, _COPY_BLOCK))  # every byte, or one line
+                if not block:
+                    raise IndexedDatasetError(
+                        f"{redact(url)}: ends at byte {start + size - left:,}; its pin says "
+                        f"{pin.size:,} bytes"
+                    )
+                out.write(block)
+                left -= len(block)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def evict(root: str, bound: int, keep: str) -> None:
+    """Delete the least recently used chunk files under `root` until they hold at most
+    `bound` bytes (never `keep`, the chunk just fetched). Only `chunks-*/NNNNNNNNNN.chunk`
+    files of the cache's own directories are ever considered. One process evicts at a time;
+    the others skip it (the next download evicts again)."""
+    try:
+        with key_lock(os.path.join(root, "evict"), timeout=0.0):
+            files = list(_chunk_files(root))
+            total = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):
+                if total <= bound:
+                    break
+                if path == keep:
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # another reader's eviction
+                    os.remove(path)
+                total -= size
+    except TimeoutError:
+        return
+
+
+def _chunk_files(root: str) -> Iterable[tuple[float, int, str]]:
+    """(last use, size, path) of every chunk file the cache wrote under `root`."""
+    for corpus in _dirs(root):
+        for chunks in _dirs(corpus.path):
+            if not chunks.name.startswith("chunks-"):
+                continue
+            for entry in os.scandir(chunks.path):
+                if _CHUNK_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    try:
+                        stat = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    yield stat.st_mtime, stat.st_size, entry.path
+
+
+def _dirs(path: str) -> list[os.DirEntry[str]]:
+    try:
+        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def distinct(chunks: Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    """(corpus, chunk) pairs, each once, in their first order."""
+    out: dict[tuple[int, int], tuple[Any, int]] = {}
+    for corpus, chunk in chunks:
+        out.setdefault((id(corpus), chunk), (corpus, chunk))
+    return list(out.values())
+
+
+class ReadAhead:
+    """Downloads, on background threads, the chunks that samples about to be read need (the
+    sample order is known in advance: a sampler's consecutive ids), so that a reader rarely
+    waits for the network. `dataset.chunks_for(sample_ids)` (GPTDataset, BlendableDataset, or
+    any dataset that has it) lists them: at once for a local dataset (nothing), a few
+    index reads a sample for a URL's. At most `in_flight` downloads run at once; what does not
+    fit now is left to the next call. No thread starts until there is something to fetch. A
+    failed download is left to the reader, whose own read of the chunk reports it in one
+    line."""
+
+    def __init__(self, dataset: Any, in_flight: int = 4) -> None:
+        self._chunks_for = getattr(dataset, "chunks_for", None)
+        self._in_flight = in_flight
+        self._slots = threading.BoundedSemaphore(in_flight)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: set[tuple[str, int]] = set()
+
+    def want(self, sample_ids: Iterable[int]) -> None:
+        """Start fetching what `sample_ids` (read soon, in this order) need, within the bound."""
+        if self._chunks_for is None:
+            return
+        for corpus, chunk in self._chunks_for(sample_ids):
+            key = (corpus.directory, chunk)
+            if key in self._pending or corpus.cached(chunk):
+                continue
+            if not self._slots.acquire(blocking=False):
+                return  # the bound: the next call asks again
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._in_flight, thread_name_prefix="hp-read-ahead")
+            self._pending.add(key)
+            self._pool.submit(self._fetch, corpus, chunk, key)
+
+    def _fetch(self, corpus: RemoteCorpus, chunk: int, key: tuple[str, int]) -> None:
+        # A failure is not reported here: the reader's own read of the chunk fails in one line.
+        try:
+            with contextlib.suppress(Exception):
+                corpus.fetch(chunk)
+        finally:
+            self._pending.discard(key)
+            self._slots.release()
+
+    def close(self) -> None:
+        """Start no more downloads; those under way finish (each within its timeouts)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._chunks_for = None
+
+
+__all__ = ["ReadAhead", "RemoteCorpus", "StoreOptions", "distinct", "evict", "exists", "is_url"]
