@@ -8,6 +8,7 @@ numpy arrays; `hp_data.torch` turns them into tensors.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,19 +211,16 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.sample_index) - 1
 
-    def sample_tokens(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
-        """The `seq_length + extra` token ids (int64, padded) of sample `idx`, and where each
-        document part ends inside them."""
-        length = self.config.seq_length + self._extra
+    def sample_parts(self, idx: int) -> Iterator[tuple[int, int, int]]:
+        """The (sequence, first token, token count) of each part sample `idx` is cut from,
+        in order: the walk over the shuffle, sample and document indices that
+        `sample_tokens` reads and provenance's `sample_pieces` maps back to documents."""
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         row = self._shuffle_view.item(idx)
         first, first_offset = self._samples_view.item(row, 0), self._samples_view.item(row, 1)
         last, last_offset = self._samples_view.item(row + 1, 0), self._samples_view.item(row + 1, 1)
-        out = np.empty(length, dtype=np.int64)
         lengths, documents = self.dataset.sequence_lengths, self._documents_view
-        ends = []
-        filled = 0
         for position in range(first, last + 1):
             sequence = documents.item(position)
             offset = first_offset if position == first else 0
@@ -230,6 +228,16 @@ class GPTDataset:
                 count = last_offset + self._extra - offset
             else:
                 count = lengths.item(sequence) - offset
+            yield sequence, offset, count
+
+    def sample_tokens(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `seq_length + extra` token ids (int64, padded) of sample `idx`, and where each
+        document part ends inside them."""
+        length = self.config.seq_length + self._extra
+        out = np.empty(length, dtype=np.int64)
+        ends = []
+        filled = 0
+        for sequence, offset, count in self.sample_parts(idx):
             part = self.dataset.get(sequence, offset, count)
             out[filled : filled + len(part)] = part
             filled += len(part)
