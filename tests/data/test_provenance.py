@@ -148,9 +148,10 @@ def corpus(memory_dir, example_tokenizer):
     tokenizer = Tokenizer.from_file(str(example_tokenizer))
     reference = _reference(inputs, tokenizer)
     out = root / "out" / "corpus"
-    options = {"skip_invalid": True, "dedup": "exact", "unit_bytes": 8000, "tokenizer_engine": "hf"}
+    options = {"skip_invalid": True, "dedup": "exact", "unit_bytes": 2500, "tokenizer_engine": "hf"}
     summary = run_preprocess(inputs, out, example_tokenizer, **options)
-    assert summary.shards > len(inputs)  # a.jsonl and d.parquet in several units
+    units = read_provenance(str(out)).units
+    assert (units[:, 0] == 0).sum() > 3 and (units[:, 0] == 3).sum() > 1  # .jsonl, .parquet
     assert summary.documents_written == len(reference)
     return {"root": root, "inputs": inputs, "reference": reference, "out": out,
             "options": options, "tokenizer": tokenizer}  # fmt: skip

@@ -58,12 +58,9 @@ class ProvenanceError(HpDataError):
 
 def idx_record(path: str) -> dict[str, Any]:
     """`{"bytes", "xxh3_128"}` of an `.idx` file: what binds a sidecar to it."""
-    digest, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as stream:
-        while block := stream.read(_READ):
-            digest.update(block)
-            size += len(block)
-    return {"bytes": size, "xxh3_128": digest.hexdigest()}
+    from hp_data.shards import file_record  # shards.py reads sidecars: imported late
+
+    return file_record(path)
 
 
 def input_entry(path: str, fmt: str, identity: Sequence[object], key: str, split: str) -> dict:
@@ -114,14 +111,19 @@ class Provenance:
         within = documents - self.units[unit, FIRST_DOCUMENT]
         record = within.copy()
         starts, counts = self.units[:, FIRST_SKIPPED], self.unit_skipped()
-        for u in np.unique(unit):
+        order = np.argsort(unit, kind="stable")  # the ids of each unit, one slice each
+        grouped = unit[order]
+        touched = np.unique(grouped)
+        lows = np.searchsorted(grouped, touched, "left")
+        highs = np.searchsorted(grouped, touched, "right")
+        for u, low, high in zip(touched.tolist(), lows.tolist(), highs.tolist(), strict=True):
             if not counts[u]:
                 continue
-            offsets = self.skipped[starts[u] : starts[u] + counts[u]]
+            offsets = np.asarray(self.skipped[starts[u] : starts[u] + counts[u]])
             # The i-th skipped offset has i skipped before it: a document lands after every
             # skipped offset whose offset - i is at most its place among the documents.
             shifted = offsets - np.arange(len(offsets))
-            mine = unit == u
+            mine = order[low:high]
             record[mine] += np.searchsorted(shifted, within[mine], "right")
         return unit, record
 
@@ -155,6 +157,8 @@ class Provenance:
         """The provenance once the documents `keep` marks False are dropped (a merge's
         cross-shard duplicates): each becomes a skipped record of its unit."""
         keep = np.asarray(keep, bool)
+        if len(keep) != self.documents:
+            raise ProvenanceError(f"{len(keep)} flags for {self.documents} documents")
         if keep.all():
             return self
         unit, record = self.locate(np.flatnonzero(~keep))
@@ -342,9 +346,11 @@ def _problem(found: Provenance) -> str | None:
         return "a unit names no input"
     if len(found.reasons) and found.reasons.max() >= len(REASONS):
         return "an unknown reason"
-    owner = np.repeat(np.arange(len(units)), skipped)
-    if len(owner):
-        offsets = found.skipped
+    starts, block = units[:, FIRST_SKIPPED], 1 << 22
+    for first in range(0, len(found.skipped), block):  # in blocks: a corpus may skip billions
+        ahead = max(first - 1, 0)  # the record before the block, for the order across it
+        offsets = np.asarray(found.skipped[ahead : first + block])
+        owner = np.searchsorted(starts, np.arange(ahead, ahead + len(offsets)), "right") - 1
         if (offsets < 0).any() or (offsets >= units[owner, RECORDS]).any():
             return "a skipped record outside its unit"
         same = owner[1:] == owner[:-1]
@@ -467,9 +473,9 @@ def _parquet_text(path: str, row: int, key: str) -> str:
 
 
 def _hf_text(path: str, index: int, key: str, split: str) -> str:
-    from hp_data.readers import WorkUnit, load_hf_dataset
+    from hp_data.readers import _HF_SAVED_MARKERS, WorkUnit, load_hf_dataset
 
-    saved = any(os.path.exists(os.path.join(path, m)) for m in ("state.json", "dataset_dict.json"))
+    saved = any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS)
     unit = WorkUnit(path, "hf-saved" if saved else "hf", 0, 0)
     return str(load_hf_dataset(unit, split, None, quiet=True)[index][key])
 
