@@ -214,6 +214,28 @@ def test_shards_and_their_merge_trace_the_same_records(corpus, example_tokenizer
     assert (read_provenance(str(out)).units[:, 2] >= 0).all()  # every first line resolved
 
 
+@pytest.mark.filterwarnings("ignore:.*no ETag, version id or content hash")
+def test_url_inputs_trace_to_their_urls(corpus, example_tokenizer):
+    """The same inputs behind fsspec URLs (memory://, in this process): the same documents,
+    each named by its URL, its text read back through the URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for path in corpus["inputs"]:
+        fs.pipe(f"/provenance/{path.name}", path.read_bytes())
+        urls.append(f"memory:///provenance/{path.name}")
+    out = corpus["root"] / "url-out" / "corpus"
+    run_preprocess(urls, out, example_tokenizer, **corpus["options"])
+    named = {str(path.resolve()): url for path, url in zip(corpus["inputs"], urls, strict=True)}
+    expected = [{**s, "file": named[s["file"]]} for s, _, _ in corpus["reference"]]
+    sources = document_source(str(out), range(len(expected)))
+    assert sources == expected
+    assert source_text(sources[-1]) == corpus["reference"][-1][1][:200]  # a Parquet row
+    assert source_text(sources[0]) == corpus["reference"][0][1][:200]
+    fs.rm("/provenance", recursive=True)
+
+
 def test_an_hf_dataset_traces_to_its_index(corpus, example_tokenizer):
     records = english_records(7, 60)
     records[9]["text"] = records[3]["text"]
