@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hp_data import IndexedDataset
+from hp_data import HpDataError, IndexedDataset
 from hp_data.blend import BlendableDataset
 from hp_data.cli import main
 from hp_data.format.merge import merge_datasets
@@ -335,11 +335,20 @@ def test_a_damaged_or_mismatched_sidecar_is_refused_by_name(corpus, tmp_path, ho
     assert f"provenance unusable: {prefix}.hp.sources: " in result.output
 
 
-def test_document_ids_out_of_range_are_refused(corpus):
+def test_bad_arguments_get_one_line(corpus, tmp_path):
     count = len(corpus["reference"])
     for bad in ([count], [-1]):
         with pytest.raises(IndexError, match=f"out of range for {count} documents"):
             document_source(str(corpus["out"]), bad)
+    missing = tmp_path / "none"
+    with pytest.raises(ProvenanceError, match=f"^{missing}: no dataset here"):
+        document_source(str(missing), [0])
+    for source in ({"file": "x.jsonl"}, {"line": 3}, ["x.jsonl", 3]):
+        with pytest.raises(HpDataError, match=r"^source .*: give a source as document_source"):
+            source_text(source)
+    changed = {"file": str(corpus["inputs"][0]), "line": 10**6}
+    with pytest.raises(HpDataError, match=r"has no line 1000000; the input changed"):
+        source_text(changed)
 
 
 @pytest.mark.slow

@@ -257,12 +257,13 @@ class Provenance:
 def read_provenance(prefix: str) -> Provenance | None:
     """The provenance of the dataset at `prefix`, or None when it has no sidecar. A sidecar
     that is damaged or does not match the `.idx` raises ProvenanceError naming it."""
-    path = sources_path(prefix_of(prefix))
+    path, index = sources_path(prefix_of(prefix)), idx_path(prefix_of(prefix))
     try:
         stat = os.stat(path)
     except FileNotFoundError:
+        if not os.path.exists(index):
+            raise ProvenanceError(f"{prefix}: no dataset here ({index} does not exist)") from None
         return None
-    index = idx_path(prefix_of(prefix))
     try:
         idx_stat = os.stat(index)
     except FileNotFoundError:
@@ -396,6 +397,12 @@ def source_text(
     text gives its raw line."""
     from hp_data.readers import _suffix_format
 
+    shapes = ({"dataset", "index"}, {"file", "row"}, {"file", "line"})
+    if not isinstance(source, dict) or not any(shape <= source.keys() for shape in shapes):
+        raise HpDataError(
+            f"source {source!r}: give a source as document_source returns it: "
+            '{"file", "line"}, {"file", "row"} or {"dataset", "index"}'
+        )
     if "dataset" in source:
         return _clip(_hf_text(source["dataset"], int(source["index"]), key, split), limit)
     path = source["file"]
