@@ -9,8 +9,9 @@ why: blank, invalid, empty, duplicate). Document id -> (input, line) is then one
 searchsorted over the units and one over the unit's skipped offsets: no object per document.
 
 The sidecar joins the dataset's atomic commit (format/commit.py) and records the size and
-xxh3-128 of the `.idx` it describes, so a sidecar that does not match its `.idx` (copied
-from another dataset, damaged) is refused by name and never gives a wrong source. Layout
+xxh3-128 of the `.idx` it describes and of its own arrays, so a sidecar that does not match
+its `.idx` (copied from another dataset) or is damaged is refused by name and never gives a
+wrong source. Layout
 (little-endian; docs/datasets.md, "Provenance", keeps it stable)::
 
     8 bytes   magic b"HPSRC\\x00\\x00\\x01"
