@@ -85,10 +85,11 @@ class Outputs:
     def __init__(self, prefixes: list[Path]) -> None:
         self.prefixes = prefixes
 
+    suffixes = (".bin", ".idx", ".hp.json")
+
     def files(self) -> list[Path]:
-        """Each dataset's three files: `.bin`, `.idx` and hp's `.hp.json` (maybe absent)."""
-        suffixes = (".bin", ".idx", ".hp.json")
-        return [p.with_name(p.name + s) for p in self.prefixes for s in suffixes]
+        """Each dataset's files: `.bin`, `.idx` and hp's `.hp.json` (maybe absent)."""
+        return [p.with_name(p.name + s) for p in self.prefixes for s in self.suffixes]
 
     def snapshot(self) -> list[bytes | None]:
         return [_read(f) for f in self.files()]
@@ -167,6 +168,35 @@ def _merge_job(
     return lambda: merge_datasets(str(out), inputs) and None, Outputs([out])
 
 
+def _merge_sources_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
+    """A merge of preprocessed datasets over an older merge of others: the new `.hp.sources`
+    (provenance.py) must replace the old one in the same commit as the `.idx` it describes."""
+    from hp_data.format.merge import merge_datasets
+    from hp_data.pipeline import PreprocessOptions, preprocess
+
+    options = PreprocessOptions(workers=1, show_progress=False, tokenizer_engine="hf")
+    for name, count in (("x", 20), ("y", 30), ("z", 25)):
+        with open(root / f"{name}.jsonl", "w") as stream:
+            for i in range(count):
+                stream.write(json.dumps({"text": f"{name} document {i} " * (i % 4 + 1)}) + "\n")
+        preprocess([str(root / f"{name}.jsonl")], str(root / name), tokenizer, options)
+    out = root / "out" / "merged"
+    assert not _in_child(lambda: merge_datasets(str(out), [str(root / "x")]) and None, None)
+    inputs = [str(root / "y"), str(root / "z")]
+
+    class SourcesOutputs(Outputs):
+        suffixes = (".bin", ".idx", ".hp.json", ".hp.sources")
+
+        def open_all(self) -> None:
+            from hp_data.provenance import read_provenance
+
+            super().open_all()
+            with contextlib.suppress(FileNotFoundError):  # raises when it does not match
+                read_provenance(str(out))
+
+    return lambda: merge_datasets(str(out), inputs) and None, SourcesOutputs([out])
+
+
 def _build_index_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
     from hp_data import IndexedDatasetBuilder
     from hp_data.gpt import GPTDataset, GPTDatasetConfig
@@ -209,6 +239,7 @@ JOBS = {
     "merge": _merge_job,
     "merge-fresh": lambda root, tokenizer: _merge_job(root, tokenizer, over_old=False),
     "build-index": _build_index_job,
+    "merge-sources": _merge_sources_job,
 }
 
 

@@ -84,8 +84,9 @@ def test_output_prefix_names_every_key_as_megatron_does(tmp_path, example_tokeni
     result = runner.invoke(main, [*args, "--output-prefix", str(tmp_path / "p")])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.glob("p_*")) == [
-        "p_text_document.bin", "p_text_document.hp.json", "p_text_document.idx",
-        "p_title_document.bin", "p_title_document.hp.json", "p_title_document.idx",
+        "p_text_document.bin", "p_text_document.hp.json", "p_text_document.hp.sources",
+        "p_text_document.idx", "p_title_document.bin", "p_title_document.hp.json",
+        "p_title_document.hp.sources", "p_title_document.idx",
     ]  # fmt: skip
     one = runner.invoke(main, [*args[:-1], "text", "--output-prefix", str(tmp_path / "one")])
     assert one.exit_code == 0, one.output

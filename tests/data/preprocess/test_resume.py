@@ -95,13 +95,19 @@ def test_killed_run_resumes_at_the_first_unfinished_shard(
     assert summary["resumed_shards"] >= 2
     assert summary["shards"] == 6
     assert read_bytes(out, metadata=True) == read_bytes(tmp_path / "reference", metadata=True)
+    sources = [
+        (p.with_name(p.name + ".hp.sources")).read_bytes() for p in (out, tmp_path / "reference")
+    ]
+    assert sources[0] == sources[1]  # the resumed run's provenance is the uninterrupted one's
     assert sorted(os.listdir(tmp_path)) == [
         "in",
         "out.bin",
         "out.hp.json",
+        "out.hp.sources",
         "out.idx",
         "reference.bin",
         "reference.hp.json",
+        "reference.hp.sources",
         "reference.idx",
     ]
 

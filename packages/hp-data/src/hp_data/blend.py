@@ -166,9 +166,13 @@ class BlendableDataset:
     def __len__(self) -> int:
         return len(self.dataset_index)
 
-    def __getitem__(self, idx: int) -> dict[str, Any]:
+    def locate(self, idx: int) -> tuple[int, int]:
+        """Which dataset sample `idx` comes from, and which of its samples."""
         k = int(self.dataset_index[idx])
-        sample = int(self.dataset_sample_index[idx]) % int(self._wrap[k])
+        return k, int(self.dataset_sample_index[idx]) % int(self._wrap[k])
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        k, sample = self.locate(idx)
         return {"dataset_id": k, **self.datasets[k][sample]}
 
     def chunks_for(self, sample_ids: Sequence[int]) -> list[tuple[Any, int]]:

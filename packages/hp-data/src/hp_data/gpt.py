@@ -224,7 +224,7 @@ class GPTDataset:
         out = np.empty(length, dtype=np.int64)
         ends = []
         filled = 0
-        for sequence, offset, count in self._parts(idx):
+        for sequence, offset, count in self.sample_parts(idx):
             part = self.dataset.get(sequence, offset, count)
             out[filled : filled + len(part)] = part
             filled += len(part)
@@ -232,8 +232,11 @@ class GPTDataset:
         out[filled:] = self.config.pad_token
         return out, np.array(ends, dtype=np.int64)
 
-    def _parts(self, idx: int) -> Iterator[tuple[int, int, int]]:
-        """(sequence, first token, token count) of each document part of sample `idx`."""
+    def sample_parts(self, idx: int) -> Iterator[tuple[int, int, int]]:
+        """The (sequence, first token, token count) of each part sample `idx` is cut from,
+        in order: the walk over the shuffle, sample and document indices that
+        `sample_tokens` reads, `chunks_for` fetches ahead and provenance's `sample_pieces`
+        maps back to documents."""
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
         row = self._shuffle_view.item(idx)
@@ -258,7 +261,7 @@ class GPTDataset:
         pointers, itemsize = self.dataset.sequence_pointers, self.dataset.dtype.itemsize
         seen: dict[int, None] = {}
         for idx in sample_ids:
-            for sequence, offset, count in self._parts(int(idx)):
+            for sequence, offset, count in self.sample_parts(int(idx)):
                 start = pointers.item(sequence) + offset * itemsize
                 seen.update(dict.fromkeys(remote.chunks(start, start + count * itemsize)))
         return [(remote, chunk) for chunk in seen]

@@ -42,6 +42,16 @@ from hp_data.format.header import bin_path, idx_path, prefix_of
 from hp_data.format.metadata import SCHEMA as METADATA_SCHEMA
 from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
+from hp_data.provenance import (
+    BLANK,
+    DUPLICATE,
+    EMPTY,
+    FIRST_RECORD,
+    INVALID,
+    UNKNOWN,
+    Provenance,
+    input_entry,
+)
 from hp_data.readers import (
     KEYS_OPTION,
     MAX_DOCUMENT_CHARS,
@@ -161,6 +171,8 @@ class _Result:
     hashes: np.ndarray | None = None  # (kept records, 2) uint64
     verified: int = 0  # documents whose fast-engine ids were checked against tokenizers
     mismatch: tuple[int, str] | None = None  # (line offset, what differs), when one did not
+    dropped: np.ndarray | None = None  # line offsets that made no document (before dedup)
+    reasons: np.ndarray | None = None  # and why (provenance.REASONS)
 
 
 _worker: dict[str, Any] = {}
@@ -216,7 +228,7 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
         """The chunk read (again) with the run's keys, their option's name and length limit."""
         return read_chunk(
             chunk, spec.keys, stop_at_invalid, check_unicode, keys_option=spec.keys_option,
-            max_chars=spec.max_chars, **more,
+            max_chars=spec.max_chars, with_offsets=True, **more,
         )  # fmt: skip
 
     parsed = read(spec.stop_at_invalid)
@@ -232,11 +244,9 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     chosen = _sample(chunk, count, spec.verify_every)
     if first:
         chosen = np.union1d(np.arange(min(count, VERIFY_FIRST)), chosen)
-    checked = False
     try:
         encoded, mismatch = _encode(parsed, spec, dtype, chosen)
     except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
-        checked = True
         parsed = read(spec.stop_at_invalid, check_unicode=True)
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
@@ -246,12 +256,12 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     if _worker["engine"] is not _worker["reference"]:
         result.verified = len(chosen)
     if mismatch is not None:
-        again = read(spec.stop_at_invalid, checked, with_offsets=True)
-        result.mismatch = (again.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
+        result.mismatch = (parsed.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
         keep = np.logical_or.reduce([lengths > 0 for _, lengths in encoded]) if encoded else keep
     result.empty = int((~keep).sum())
+    result.dropped, result.reasons = _dropped(parsed, keep)
     for tokens, lengths in encoded:
         if result.empty:
             tokens, lengths = tokens[np.repeat(keep, lengths)], lengths[keep]
@@ -260,6 +270,21 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     if spec.dedup:
         result.hashes = hash_texts(parsed.texts)[keep]
     return result
+
+
+def _dropped(parsed: Parsed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The line offsets of a chunk that made no document, sorted, and why: blank, invalid
+    (skipped), or empty (`keep` False); what provenance needs to map documents to lines."""
+    offsets = np.asarray(parsed.offsets, dtype=np.int64)
+    if len(offsets) == parsed.lines and keep.all():
+        return np.zeros(0, np.int64), np.zeros(0, np.uint8)
+    reasons = np.full(parsed.lines, BLANK, np.uint8)
+    reasons[[offset for offset, _, _ in parsed.invalid]] = INVALID
+    reasons[offsets[~keep]] = EMPTY
+    made = np.zeros(parsed.lines, dtype=bool)
+    made[offsets[keep]] = True
+    dropped = np.flatnonzero(~made)
+    return dropped, reasons[dropped]
 
 
 # -- the main process -----------------------------------------------------------------------
@@ -315,11 +340,16 @@ class _WorkDir:
         """Raw (n, 2) uint64 hashes of the records a finished unit kept."""
         return os.path.join(self.path, f"shard{index:06d}.hashes")
 
+    def skipped_path(self, index: int) -> str:
+        """Raw int64 line offsets of a finished unit's records that made no document, then
+        a uint8 reason each (provenance.py)."""
+        return os.path.join(self.path, f"shard{index:06d}.skipped")
+
     def reusable(self, units: list[WorkUnit], keys: tuple[str, ...]) -> int:
         """How many leading units a previous run finished with these same inputs."""
         done = 0
         for unit, record in zip(units, self.manifest["shards"], strict=False):
-            complete = all(
+            complete = os.path.exists(self.skipped_path(done)) and all(
                 os.path.exists(path(self.unit_prefix(done, k)))
                 for k in keys
                 for path in (bin_path, idx_path)
@@ -671,7 +701,10 @@ def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
     stats = [_UnitStats(**record["stats"]) for record in workdir.manifest["shards"]]
     finals = [
         IndexedDatasetBuilder(
-            final, job.dtype, metadata={**job.metadata, **_max_token_id(stats, key)}
+            final,
+            job.dtype,
+            metadata={**job.metadata, **_max_token_id(stats, key)},
+            sources=_provenance(job, stats, key),
         )
         for key, final in outputs.items()
     ]
@@ -720,6 +753,7 @@ class _Run:
         self.current: int | None = None
         self.builders: list[IndexedDatasetBuilder] = []
         self.hashes: BinaryIO | None = None  # kept hashes of the current unit, spilled
+        self.skipped: list[tuple[np.ndarray, np.ndarray]] = []  # the unit's, per chunk
         self.stats = _UnitStats()
         self.done_bytes = progress.already
         self.input_bytes = 0
@@ -735,6 +769,7 @@ class _Run:
         if self.seen is not None:
             self.hashes = open(self.workdir.hashes_path(index) + ".tmp", "wb")  # noqa: SIM115
         self.stats = _UnitStats(tokens=dict.fromkeys(self.keys, 0))
+        self.skipped = []
 
     def take(self, result: _Result) -> None:
         if self.current != result.unit:
@@ -755,17 +790,22 @@ class _Run:
             stats.invalid[kind] = stats.invalid.get(kind, 0) + 1
             if len(stats.invalid_examples) < INVALID_EXAMPLES:
                 stats.invalid_examples.append(f"{where}: {why}")
+        before = stats.lines
         stats.lines += result.lines
         stats.records += result.records
         stats.empty += result.empty
         tokens, lengths = result.tokens, result.lengths
+        dropped, reasons = result.dropped, result.reasons
         if self.seen is not None and result.hashes is not None:
             fresh = self.seen.add_new(result.hashes)
             stats.duplicates += int((~fresh).sum())
             if not fresh.all():
                 tokens = [t[np.repeat(fresh, n)] for t, n in zip(tokens, lengths, strict=True)]
                 lengths = [n[fresh] for n in lengths]
+                dropped, reasons = _with_duplicates(dropped, reasons, result.lines, fresh)
             self.hashes.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
+        if dropped is not None and len(dropped):
+            self.skipped.append((dropped + before, reasons))  # type: ignore[arg-type]
         for key, builder, key_tokens, key_lengths in zip(
             self.keys, self.builders, tokens, lengths, strict=True
         ):
@@ -789,6 +829,14 @@ class _Run:
     def _finish(self, unit: WorkUnit, index: int) -> None:
         for builder in self.builders:
             builder.finalize()
+        target = self.workdir.skipped_path(index)
+        with open(target + ".tmp", "wb") as stream:
+            for offsets, _ in self.skipped:
+                stream.write(offsets.astype("<i8").tobytes())
+            for _, reasons in self.skipped:
+                stream.write(reasons.tobytes())
+        os.replace(target + ".tmp", target)
+        self.skipped = []
         if self.hashes is not None:
             self.hashes.close()
             target = self.workdir.hashes_path(index)
@@ -803,6 +851,59 @@ class _Run:
             builder.abort()
         if self.hashes is not None:
             self.hashes.close()
+
+
+def _with_duplicates(
+    dropped: np.ndarray | None, reasons: np.ndarray | None, lines: int, fresh: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's dropped line offsets and reasons with the duplicates among the records that
+    made documents (`fresh` False) added, still sorted."""
+    assert dropped is not None and reasons is not None
+    made = np.ones(lines, dtype=bool)
+    made[dropped] = False
+    duplicates = np.flatnonzero(made)[~fresh]
+    offsets = np.concatenate([dropped, duplicates])
+    order = np.argsort(offsets, kind="stable")
+    every = np.concatenate([reasons, np.full(len(duplicates), DUPLICATE, np.uint8)])
+    return offsets[order], every[order]
+
+
+def _provenance(job: _Job, stats: list[_UnitStats], key: str) -> Provenance:
+    """The units of this run as the sidecar of `key`'s output records them (provenance.py):
+    a JSON lines byte range's earlier lines are counted from the units before it in this
+    run, else left unknown (a shard: its merge resolves them)."""
+    inputs: list[dict[str, Any]] = []
+    where: dict[str, int] = {}
+    rows, offsets, reasons = [], [], []
+    documents = skipped = 0
+    for index, (unit, unit_stats) in enumerate(zip(job.units, stats, strict=True)):
+        entry = input_entry(unit.path, unit.format, unit.identity, key, job.options.hf_split)
+        name = json.dumps(entry, sort_keys=True)
+        where.setdefault(name, len(inputs))
+        if where[name] == len(inputs):
+            inputs.append(entry)
+        first = unit.first_row if unit.format == "parquet" else 0
+        if unit.format == "jsonl" and unit.start > 0:
+            first = UNKNOWN
+            previous = job.units[index - 1] if index else None
+            if previous is not None and previous.path == unit.path and previous.end == unit.start:
+                first = rows[-1][FIRST_RECORD]
+                first = UNKNOWN if first == UNKNOWN else first + stats[index - 1].lines
+        end = -1 if unit.end is None else unit.end
+        rows.append([where[name], documents, first, unit.start, end, unit_stats.lines, skipped])
+        data = np.fromfile(job.workdir.skipped_path(index), np.uint8)
+        count = len(data) // 9
+        offsets.append(data[: 8 * count].view("<i8"))
+        reasons.append(data[8 * count :])
+        documents += unit_stats.written
+        skipped += count
+    return Provenance(
+        inputs,
+        np.array(rows, np.int64).reshape(-1, 7),
+        np.concatenate(offsets) if offsets else np.zeros(0, np.int64),
+        np.concatenate(reasons) if reasons else np.zeros(0, np.uint8),
+        documents,
+    )
 
 
 def _summarize(stats: list[_UnitStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:

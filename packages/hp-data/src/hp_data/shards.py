@@ -33,11 +33,12 @@ from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
-from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of
+from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of, sources_path
 from hp_data.format.metadata import read_metadata, shared_metadata
 from hp_data.format.reader import IndexedDataset
 from hp_data.plan import plan_fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
+from hp_data.provenance import Provenance, read_provenance
 from hp_data.readers import WorkUnit
 from hp_data.redact import redact_data
 
@@ -60,13 +61,12 @@ def file_record(path: str, on_bytes: Callable[[int], None] | None = None) -> dic
 
 
 def _shard_files(outputs: dict[str, str], hashes: str | None) -> list[str]:
-    """The paths of every file a shard wrote: each key's `.bin`, `.idx` and `.hp.json`
-    (when written), then its `.hashes`."""
+    """The paths of every file a shard wrote: each key's `.bin`, `.idx`, `.hp.json` and
+    `.hp.sources` (when written), then its `.hashes`."""
     paths = []
     for prefix in outputs.values():
         paths += [bin_path(prefix), idx_path(prefix)]
-        if os.path.exists(metadata_path(prefix)):
-            paths.append(metadata_path(prefix))
+        paths += [p for p in (metadata_path(prefix), sources_path(prefix)) if os.path.exists(p)]
     return [*paths, hashes] if hashes else paths
 
 
@@ -385,6 +385,7 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
     ]
     documents = duplicates = 0
     largest: dict[str, list[int]] = {key: [] for key in keys}  # per shard: its kept ids' largest
+    provenance: dict[str, list[Provenance]] = {key: [] for key in keys}
     try:
         for manifest, shard in zip(manifests, sources, strict=True):
             keep = None
@@ -392,6 +393,10 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
                 hashes = np.fromfile(os.path.join(directory, manifest["hashes"]), np.uint64)
                 keep = seen.add_new(hashes.reshape(-1, 2))
                 duplicates += int((~keep).sum())
+            for key in keys:  # a duplicate across shards: a skipped record of its unit
+                found = read_provenance(shard[key])
+                if found is not None:
+                    provenance[key].append(found if keep is None else found.drop(keep))
             for key, builder in zip(keys, builders, strict=True):
                 kept = builder.add_index(shard[key], on_bytes=progress.add_bytes, keep=keep)
                 if keep is None or keep.all():
@@ -399,6 +404,8 @@ def merge_shards(out_prefix: str, show_progress: bool = False) -> dict[str, Any]
                 largest[key].append(-1 if kept is None else kept)
         documents = builders[0].document_count
         for key, builder in zip(keys, builders, strict=True):
+            if len(provenance[key]) == len(sources):  # shards of an older hp-data have none
+                builder.sources = Provenance.concatenate(provenance[key])
             if builder.metadata is not None and "max_token_id" in builder.metadata:
                 # Documents dropped across shards may have held the largest id: the kept
                 # tokens', as a one-machine run records it.

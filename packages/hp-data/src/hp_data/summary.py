@@ -69,6 +69,28 @@ def summarize(dataset: IndexedDataset) -> dict[str, Any]:
         "document_length": length_stats(lengths),
         "histogram": histogram(lengths),
         "tokenizer": (read_metadata(dataset.path_prefix) or {}).get("tokenizer"),
+        "provenance": provenance_report(dataset.path_prefix),
+    }
+
+
+def provenance_report(prefix: str) -> dict[str, Any] | None:
+    """What the `.hp.sources` sidecar records (provenance.py), or None without one; a
+    damaged or mismatched one is reported as `{"problem": ...}`, the dataset stays usable."""
+    from hp_data.format.header import sources_path
+    from hp_data.provenance import REASONS, ProvenanceError, read_provenance
+
+    try:
+        found = read_provenance(prefix)
+    except ProvenanceError as exc:
+        return {"problem": str(exc)}
+    if found is None:
+        return None
+    counts = np.bincount(found.reasons, minlength=len(REASONS))
+    return {
+        "inputs": len(found.inputs),
+        "units": len(found.units),
+        "skipped": dict(zip(REASONS, counts.tolist(), strict=True)),
+        "bytes": os.path.getsize(sources_path(prefix)),
     }
 
 
@@ -108,6 +130,18 @@ def format_report(report: dict[str, Any]) -> str:
         f"tokens     {report['tokens']:,}",
         f".bin bytes {report['bin_bytes']:,}",
     ]
+    found = report.get("provenance")
+    if found is None:
+        lines.append("provenance none (document ids only: no .hp.sources)")
+    elif "problem" in found:
+        lines.append(f"provenance unusable: {found['problem']}")
+    else:
+        skipped = ", ".join(f"{n:,} {why}" for why, n in found["skipped"].items() if n)
+        lines.append(
+            f"provenance {found['inputs']:,} input(s), {found['units']:,} unit(s)"
+            + (f", skipped records: {skipped}" if skipped else "")
+            + f" ({found['bytes']:,} bytes)"
+        )
     if report["tokenizer"]:
         tokenizer = report["tokenizer"]
         lines.append(f"tokenizer  {tokenizer['source']} (xxh3 {tokenizer['xxh3_128'][:16]})")

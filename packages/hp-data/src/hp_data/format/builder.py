@@ -157,7 +157,8 @@ class IndexedDatasetBuilder:
     Token ids outside `dtype`'s range raise instead of wrapping around. The directories of
     killed builders of the same prefix are removed when the next one starts. `metadata`
     (JSON-able, `format/metadata.py`) is committed with the two files as `PREFIX.hp.json`;
-    without it an old `PREFIX.hp.json` goes, as it would describe other tokens.
+    without it an old `PREFIX.hp.json` goes, as it would describe other tokens. `sources`
+    (a `provenance.Provenance`, set before finalizing) becomes `PREFIX.hp.sources` alike.
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class IndexedDatasetBuilder:
         dtype: DTypeLike = np.int32,
         multimodal: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        sources: Any = None,
     ) -> None:
         self.prefix = prefix_of(prefix)
         if not os.path.basename(self.prefix):
@@ -176,6 +178,7 @@ class IndexedDatasetBuilder:
         self.dtype = as_token_dtype(dtype)
         self.multimodal = multimodal
         self.metadata = metadata
+        self.sources = sources  # a provenance.Provenance, committed as PREFIX.hp.sources
         directory = os.path.dirname(os.path.abspath(self.prefix))
         try:
             os.makedirs(directory, exist_ok=True)
@@ -398,9 +401,9 @@ class IndexedDatasetBuilder:
         finalize_together([self])
         return self.prefix
 
-    def _prepare(self) -> tuple[str, str, str, str | None]:
-        """Write the index (and metadata) beside the data: (prefix, tmp .bin, tmp .idx,
-        tmp .hp.json or None), ready to commit."""
+    def _prepare(self) -> tuple[str, str, str, str | None, str | None]:
+        """Write the index (and metadata, provenance) beside the data: (prefix, tmp .bin,
+        tmp .idx, tmp .hp.json or None, tmp .hp.sources or None), ready to commit."""
         self._check_open()
         if self._documents.last != self._lengths.count:
             self._documents.append(self._lengths.count)
@@ -421,7 +424,11 @@ class IndexedDatasetBuilder:
                 stream.write("\n")
                 stream.flush()
                 os.fsync(stream.fileno())
-        return self.prefix, self._bin.name, tmp_idx, tmp_metadata
+        tmp_sources = None
+        if self.sources is not None:
+            tmp_sources = os.path.join(self._tmp, "sources")
+            self.sources.write(tmp_sources, tmp_idx)
+        return self.prefix, self._bin.name, tmp_idx, tmp_metadata, tmp_sources
 
     def _write_index(self, index: Any) -> None:
         itemsize = self.dtype.itemsize

@@ -1,12 +1,13 @@
 """Move finished `.bin`/`.idx` files into place with one atomic commit point.
 
-A dataset is two files (three with hp's `.hp.json`, `format/metadata.py`), and no filesystem
+A dataset is two files (more with hp's `.hp.json`, `format/metadata.py`, and `.hp.sources`,
+`provenance.py`), and no filesystem
 renames two names at once: renaming them one after the other leaves, for an instant, a new
 `.bin` beside an old `.idx`. So the new files are first gathered in one hidden *journal*
 directory with the list of where they go, and renaming that directory to its fixed name,
 `.NAME.hp-commit` beside `NAME.bin`, is the commit: before it the final paths hold the old
-dataset untouched, after it the new one is the dataset. An old `.hp.json` that the new
-dataset has none for is then removed, the files are renamed into place and the journal
+dataset untouched, after it the new one is the dataset. An old `.hp.json` or `.hp.sources`
+that the new dataset has none for is then removed, the files are renamed into place and the journal
 removed. A kill in between leaves the journal; whatever of hp next opens or writes the
 prefix (`IndexedDataset`, a builder, `preprocess`) finishes it first (`recover`), so hp never
 reads a mixed pair.
@@ -25,7 +26,7 @@ import shutil
 from collections.abc import Sequence
 
 from hp_data.errors import IndexedDatasetError
-from hp_data.format.header import bin_path, idx_path, metadata_path
+from hp_data.format.header import bin_path, idx_path, metadata_path, sources_path
 
 TARGETS = "targets.json"
 
@@ -84,9 +85,11 @@ def _apply(journal: str) -> None:
     shutil.rmtree(journal, ignore_errors=True)
 
 
-def commit(files: Sequence[tuple[str, str, str, str | None]]) -> None:
-    """Move each finished `(prefix, tmp_bin, tmp_idx, tmp_metadata)` to `prefix.bin`, `.idx`
-    and `.hp.json`, all or none; a prefix without `tmp_metadata` loses any old `.hp.json`.
+def commit(files: Sequence[tuple[str, str, str, str | None, str | None]]) -> None:
+    """Move each finished `(prefix, tmp_bin, tmp_idx, tmp_metadata, tmp_sources)` to
+    `prefix.bin`, `.idx`, `.hp.json` and `.hp.sources` (provenance.py), all or none; a prefix
+    without `tmp_metadata` (`tmp_sources`) loses any old `.hp.json` (`.hp.sources`): it
+    would describe other documents.
 
     Every prefix must sit in one directory. The first temporary `.bin`'s directory (a
     builder's own, on the same filesystem) becomes the journal; it is gone afterwards."""
@@ -99,13 +102,16 @@ def commit(files: Sequence[tuple[str, str, str, str | None]]) -> None:
     journal = journal_path(prefixes[0])
     staging = os.path.dirname(os.path.abspath(files[0][1]))
     moves, stale = [], []
-    for i, (prefix, tmp_bin, tmp_idx, tmp_metadata) in enumerate(files):
-        metadata = metadata_path(prefix)
+    for i, (prefix, tmp_bin, tmp_idx, tmp_metadata, tmp_sources) in enumerate(files):
         staged = [(tmp_bin, bin_path(prefix), ".bin"), (tmp_idx, idx_path(prefix), ".idx")]
-        if tmp_metadata is not None:
-            staged.append((tmp_metadata, metadata, ".json"))
-        elif os.path.lexists(metadata):
-            stale.append(os.path.basename(metadata))
+        for tmp, final, extension in (
+            (tmp_metadata, metadata_path(prefix), ".json"),
+            (tmp_sources, sources_path(prefix), ".sources"),
+        ):
+            if tmp is not None:
+                staged.append((tmp, final, extension))
+            elif os.path.lexists(final):
+                stale.append(os.path.basename(final))
         for source, final, extension in staged:
             name = f"{i}{extension}"
             os.replace(source, os.path.join(staging, name))

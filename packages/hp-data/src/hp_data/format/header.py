@@ -56,6 +56,14 @@ def metadata_path(prefix: str | os.PathLike[str]) -> str:
     return prefix_of(prefix) + METADATA_SUFFIX
 
 
+SOURCES_SUFFIX = ".hp.sources"
+
+
+def sources_path(prefix: str | os.PathLike[str]) -> str:
+    """hp's provenance sidecar beside the two files (provenance.py)."""
+    return prefix_of(prefix) + SOURCES_SUFFIX
+
+
 def pack_header(dtype: np.dtype, sequence_count: int, document_count: int) -> bytes:
     """The 34 header bytes for a dataset of `sequence_count` sequences and `document_count`
     boundaries (documents + 1)."""

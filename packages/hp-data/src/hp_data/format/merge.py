@@ -6,11 +6,19 @@ import glob
 import os
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.builder import IndexedDatasetBuilder
 from hp_data.format.commit import recover
-from hp_data.format.header import METADATA_SUFFIX, bin_path, idx_path, prefix_of, read_layout
+from hp_data.format.header import (
+    METADATA_SUFFIX,
+    SOURCES_SUFFIX,
+    bin_path,
+    idx_path,
+    prefix_of,
+    read_layout,
+)
 from hp_data.format.metadata import shared_metadata
 from hp_data.progress import Progress
 
@@ -29,7 +37,11 @@ def expand_prefixes(specs: Iterable[str]) -> list[str]:
             if not matches:
                 raise IndexedDatasetError(f"{spec}: directory holds no .idx files")
         elif glob.has_magic(spec):
-            matches = [m for m in sorted(glob.glob(spec)) if not m.endswith(METADATA_SUFFIX)]
+            matches = [
+                m
+                for m in sorted(glob.glob(spec))
+                if not m.endswith((METADATA_SUFFIX, SOURCES_SUFFIX))
+            ]
             if not matches:
                 raise IndexedDatasetError(f"{spec}: pattern matches no files")
         else:
@@ -50,7 +62,8 @@ def merge_datasets(
 
     Every input header is checked before anything is written, so a mixed-dtype merge fails
     fast and leaves no output. The output records the inputs' tokenizer when they all record
-    the same one (`shared_metadata`).
+    the same one (`shared_metadata`), and where its documents came from when any input
+    records it (provenance.py; an input without a sidecar gives documents of no source).
     """
     if not in_prefixes:
         raise IndexedDatasetError("merge needs at least one input dataset")
@@ -73,8 +86,27 @@ def merge_datasets(
     total = sum(os.path.getsize(bin_path(prefix)) for prefix in in_prefixes)
     progress = Progress(total, "merge", enabled=show_progress)
     metadata = shared_metadata(in_prefixes)
-    with IndexedDatasetBuilder(out_prefix, layouts[0].dtype, multimodal, metadata) as builder:
+    sources = _merged_provenance(in_prefixes, layouts)
+    with IndexedDatasetBuilder(
+        out_prefix, layouts[0].dtype, multimodal, metadata, sources
+    ) as builder:
         for prefix in in_prefixes:
             builder.add_index(prefix, on_bytes=progress.add_bytes)
     progress.close()
     return out_prefix
+
+
+def _merged_provenance(prefixes: list[str], layouts: list[Any]) -> Any:
+    """The inputs' provenance concatenated with document-id offsets, or None when no input
+    has any (provenance.py; imported here, as it reads datasets this module writes)."""
+    from hp_data.provenance import Provenance, read_provenance
+
+    found = [read_provenance(prefix) for prefix in prefixes]
+    if all(part is None for part in found):
+        return None
+    return Provenance.concatenate(
+        [
+            Provenance.anonymous(layout.document_count - 1) if part is None else part
+            for part, layout in zip(found, layouts, strict=True)
+        ]
+    )
