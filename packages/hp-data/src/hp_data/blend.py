@@ -171,6 +171,12 @@ class BlendableDataset:
         k = int(self.dataset_index[idx])
         return k, int(self.dataset_sample_index[idx]) % int(self._wrap[k])
 
+    def part_of(self, idx: int) -> tuple[Any, int]:
+        """The dataset sample `idx` is drawn from and its index there (provenance walks a
+        composite dataset down to its GPTDataset with it)."""
+        k, sample = self.locate(idx)
+        return self.datasets[k], sample
+
     def __getitem__(self, idx: int) -> dict[str, Any]:
         k, sample = self.locate(idx)
         return {"dataset_id": k, **self.datasets[k][sample]}

@@ -453,7 +453,8 @@ class PhasedDataset:
     def __len__(self) -> int:
         return self.plan.total_samples
 
-    def __getitem__(self, idx: int) -> dict[str, Any]:
+    def locate(self, idx: int) -> tuple[int, int, int]:
+        """(stream, epoch, row of that epoch's GPTDataset) of global sample `idx`."""
         i = int(idx)
         if not 0 <= i < len(self):
             raise IndexError(f"sample {idx} out of range for {len(self)} samples")
@@ -466,6 +467,15 @@ class PhasedDataset:
             member, inner = int(index[j]), int(self.plan.dataset_sample_index[p][j])  # type: ignore[index]
         stream = self._members[p][member]
         epoch, row = divmod(self._offsets[p][member] + inner, self._sizes[stream])
+        return stream, epoch, row
+
+    def part_of(self, idx: int) -> tuple[GPTDataset, int]:
+        """The GPTDataset (a stream's epoch) sample `idx` is read from, and its row there."""
+        stream, epoch, row = self.locate(idx)
+        return self.epochs[stream][epoch], row
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        stream, epoch, row = self.locate(idx)
         return {"dataset_id": stream, **self.epochs[stream][epoch][row]}
 
     def state_at(self, step: int, samples: int) -> dict[str, Any]:

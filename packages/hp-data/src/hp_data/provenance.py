@@ -493,12 +493,11 @@ def _hf_text(path: str, index: int, key: str, split: str) -> str:
 
 def sample_pieces(dataset: Any, sample_index: int) -> list[dict[str, Any]]:
     """Which documents, and which of their tokens (`[START, END)` within the document), the
-    sample `sample_index` of a GPTDataset or BlendableDataset is cut from, in order: the
-    walk `GPTDataset.sample_parts` does for `sample_tokens`, mapped from sequences to
-    documents through the IndexedDataset's boundaries."""
-    while hasattr(dataset, "dataset_index"):  # a BlendableDataset: to the one it draws on
-        which, sample_index = dataset.locate(sample_index)
-        dataset = dataset.datasets[which]
+    sample `sample_index` of a GPTDataset, a BlendableDataset or a PhasedDataset is cut from,
+    in order: the walk `GPTDataset.sample_parts` does for `sample_tokens`, mapped from
+    sequences to documents through the IndexedDataset's boundaries."""
+    while hasattr(dataset, "part_of"):  # a blend or a phased run: to the GPTDataset it reads
+        dataset, sample_index = dataset.part_of(sample_index)
     parts = list(dataset.sample_parts(int(sample_index)))
     corpus = dataset.dataset
     sequences = np.array([part[0] for part in parts], np.int64)
