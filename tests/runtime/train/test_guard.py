@@ -35,7 +35,8 @@ def test_non_finite_loss_stops_at_its_step(tmp_path):
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
         "hp-train: error: step 2: loss nan, grad norm nan (samples 1 to 1); stopping. Lower "
-        "optim.lr, check the data of those samples, or resume from an earlier checkpoint"
+        f"optim.lr, check the data of those samples (hp-train blame {run} --step 2 lists "
+        "them), or resume from an earlier checkpoint"
     ]
     end = records(run, "end")
     assert end[0]["status"] == "failed" and end[0]["step"] <= 3  # not 50 steps later
@@ -65,3 +66,4 @@ def test_spike_guard_skips_the_update_or_stops(tmp_path):
     assert done.returncode == 1
     assert done.stderr.startswith(f"hp-train: error: step {first}: ")
     assert "stopping (train.spike_action = 'stop')" in done.stderr
+    assert f"hp-train blame {stop} --step {first})" in done.stderr  # where to look next

@@ -213,6 +213,35 @@ def replay_command(
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=str)
+@click.option("--step", "step", type=int, required=True, help="The step whose samples to list.")
+@click.option("--json", "as_json", is_flag=True, help="The stable JSON (docs/debugging.md).")
+@click.option("--losses", is_flag=True, help="Each sample's loss: replays the step (one process).")
+def blame_command(run_dir: str, step: int, as_json: bool, losses: bool) -> None:
+    """Every sample step N of RUN_DIR trained on: its corpus, documents and token ranges, and
+    the raw input line each document came from."""
+    import json
+
+    from hp_data.errors import HpDataError
+
+    from hp_runtime.train.blame import blame, run_config, sample_losses, table
+    from hp_runtime.train.errors import ConfigError, TrainError
+
+    try:
+        config = run_config(run_dir)
+    except ConfigError as exc:
+        _fail(str(exc), 2, 0)
+    except TrainError as exc:
+        _fail(str(exc), 1, 0)
+    found = _job(config, lambda rt: sample_losses(run_dir, step, rt)) if losses else None
+    try:
+        report = blame(run_dir, step, found)
+    except (TrainError, HpDataError) as exc:
+        _fail(str(exc), 1, 0)
+    click.echo(json.dumps(report, indent=1) if as_json else table(report))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=str, required=True, help="The run's TOML file.")
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON (docs/training.md).")
 @click.argument("overrides", nargs=-1)
@@ -247,6 +276,7 @@ SUBCOMMANDS = {
     "verify": verify_command,
     "replay": replay_command,
     "mix-report": mix_report_command,
+    "blame": blame_command,
 }
 
 

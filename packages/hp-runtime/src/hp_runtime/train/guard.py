@@ -29,13 +29,20 @@ class SpikeStop(TrainError):
     everywhere = True
 
 
-def check_finite(step: int, loss: float, grad_norm: float, samples: tuple[int, int]) -> None:
+def check_finite(
+    step: int, loss: float, grad_norm: float, samples: tuple[int, int], run_dir: str
+) -> None:
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteLoss(
             f"step {step}: loss {loss}, grad norm {grad_norm} (samples {samples[0]} to "
-            f"{samples[1] - 1}); stopping. Lower optim.lr, check the data of those samples, "
-            f"or resume from an earlier checkpoint"
+            f"{samples[1] - 1}); stopping. Lower optim.lr, check the data of those samples "
+            f"({blame_command(run_dir, step)} lists them), or resume from an earlier checkpoint"
         )
+
+
+def blame_command(run_dir: str, step: int) -> str:
+    """The command that lists a step's samples down to their raw records (`train/blame.py`)."""
+    return f"hp-train blame {run_dir} --step {step}"
 
 
 class SpikeGuard:

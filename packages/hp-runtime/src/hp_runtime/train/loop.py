@@ -18,7 +18,7 @@ import torch
 from hp_runtime.train.config import Config
 from hp_runtime.train.data import Batch, BatchPlan, Loader
 from hp_runtime.train.errors import TrainError
-from hp_runtime.train.guard import SpikeStop, check_finite
+from hp_runtime.train.guard import SpikeStop, blame_command, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals
 from hp_runtime.train.metrics import LaggedValues
 from hp_runtime.train.plot import plot_run
@@ -200,12 +200,15 @@ class Loop:
         to skip the update."""
         loss, norm, _ = values.tolist()
         state = self.state
-        check_finite(step, loss, norm, state.samples_of(step))
+        check_finite(step, loss, norm, state.samples_of(step), self.t.run_dir)
         reason = state.guard.judge(loss, norm)
         if reason is None:
             return False
         first, end = state.samples_of(step)
-        message = f"step {step}: {reason} (samples {first} to {end - 1})"
+        message = (
+            f"step {step}: {reason} (samples {first} to {end - 1}: "
+            f"{blame_command(self.t.run_dir, step)})"
+        )
         if state.guard.action == "stop":
             raise SpikeStop(message + "; stopping (train.spike_action = 'stop')")
         self.metrics.say(message + "; update skipped")
@@ -310,7 +313,7 @@ class Loop:
         if entry is None:
             return
         step, (loss, norm, stop) = entry
-        check_finite(step, loss, norm, self.state.samples_of(step))
+        check_finite(step, loss, norm, self.state.samples_of(step), self.t.run_dir)
         self.result.losses[step], self.result.grad_norms[step] = loss, norm
         request = StopRequest.decode(stop)
         if request is not None and self.result.stopped_by is None:
