@@ -111,6 +111,39 @@ class Assembly:
         return clip_grad_norm(self.parameters, max_norm, self.pp_group, skip=self._last_tied_copy)
 
 
+def shard_stages(
+    config: ModelConfig,
+    dims: ParallelDims,
+    device_type: str,
+    options: ParallelOptions,
+    param_dtype: torch.dtype | None = None,
+) -> tuple[list[tuple[int, nn.Module]], DeviceMesh | None, DeviceMesh | None]:
+    """This rank's stages of the model, parallelized but still on the meta device (no memory
+    of the model's is allocated), and the meshes: the part of `assemble` that decides every
+    shard. `hp-train plan` runs it over a fake process group of any world size."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims.validate(world, config)
+    mesh = expert_mesh = None
+    if dist.is_initialized():
+        mesh = dims.build_mesh(device_type, world)
+        if dims.ep > 1:
+            expert_mesh = dims.build_expert_mesh(device_type, world)
+    with torch.device("meta"):
+        model = Transformer(config)
+    stages: list[tuple[int, nn.Module]] = [(0, model)]
+    if dims.pp > 1:
+        assert mesh is not None
+        stages = stage_modules(
+            model, mesh["pp"].get_local_rank(), dims.pp, options.pp_virtual_stages
+        )
+    if mesh is not None:
+        for _, module in stages:
+            parallelize(
+                module, dims, mesh, options, param_dtype=param_dtype, expert_mesh=expert_mesh
+            )
+    return stages, mesh, expert_mesh
+
+
 def assemble(
     config: ModelConfig,
     dims: ParallelDims,
@@ -129,34 +162,15 @@ def assemble(
     not rescaled); it is required then, and ignored otherwise.
     """
     options = options or ParallelOptions()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    dims.validate(world, config)
-    mesh = dp_mesh = dp_cp = expert_mesh = None
-    if dist.is_initialized():
-        mesh = dims.build_mesh(device.type, world)
-        dp_mesh = data_parallel_mesh(mesh)
-        dp_cp = dp_cp_mesh(mesh, dims)
-        if dims.ep > 1:
-            expert_mesh = dims.build_expert_mesh(device.type, world)
-    with torch.device("meta"):
-        model = Transformer(config)
-    stages: list[tuple[int, nn.Module]] = [(0, model)]
-    total_stages = 1
+    if dims.pp > 1 and loss_fn is None:
+        raise ValueError("a pipeline needs loss_fn: the last stage computes the loss")
+    stages, mesh, expert_mesh = shard_stages(config, dims, device.type, options, param_dtype)
+    dp_mesh = data_parallel_mesh(mesh) if mesh is not None else None
+    dp_cp = dp_cp_mesh(mesh, dims) if mesh is not None else None
+    total_stages = dims.pp * options.pp_virtual_stages if dims.pp > 1 else 1
     pp_group = tied_group = None
     if dims.pp > 1:
-        assert mesh is not None
-        if loss_fn is None:
-            raise ValueError("a pipeline needs loss_fn: the last stage computes the loss")
-        total_stages = dims.pp * options.pp_virtual_stages
-        stages = stage_modules(
-            model, mesh["pp"].get_local_rank(), dims.pp, options.pp_virtual_stages
-        )
-        pp_group, tied_group = stage_groups(mesh)
-    if mesh is not None:
-        for _, module in stages:
-            parallelize(
-                module, dims, mesh, options, param_dtype=param_dtype, expert_mesh=expert_mesh
-            )
+        pp_group, tied_group = stage_groups(mesh)  # type: ignore[arg-type]
     for _, module in stages:
         module.to_empty(device=device)
         init_weights(module, seed=seed)

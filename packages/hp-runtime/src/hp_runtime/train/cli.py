@@ -242,6 +242,35 @@ def blame_command(run_dir: str, step: int, as_json: bool, losses: bool) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
+@click.option("--world", type=int, required=True, help="The ranks the run will have.")
+@click.option("--gpu", type=str, default=None, help="For a time estimate: h100-80gb, ...")
+@click.option("--json", "as_json", is_flag=True, help="The plan as JSON (docs/parallelism.md).")
+@click.argument("overrides", nargs=-1)
+def plan_command(
+    config_path: str | None, world: int, gpu: str | None, as_json: bool, overrides: tuple[str, ...]
+) -> None:
+    """Each kind of rank's memory (params, grads, optimizer, activations, peak), the traffic
+    a step sends, and with --gpu a roofline step time: built from the real sharding code over
+    a fake process group of --world ranks, on this CPU."""
+    import json
+
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.errors import ConfigError, TrainError
+
+    try:
+        config = load_config(config_path, [*overrides, "train.steps=1"])  # a step is planned
+        from hp_runtime.train.plan import plan, table
+
+        report = plan(config, world, gpu)
+    except ConfigError as exc:
+        _fail(str(exc), 2, 0)
+    except (TrainError, ValueError) as exc:
+        _fail(str(exc), 1, 0)
+    click.echo(json.dumps(report, indent=1) if as_json else table(report))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=str, required=True, help="The run's TOML file.")
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON (docs/training.md).")
 @click.argument("overrides", nargs=-1)
@@ -277,6 +306,7 @@ SUBCOMMANDS = {
     "replay": replay_command,
     "mix-report": mix_report_command,
     "blame": blame_command,
+    "plan": plan_command,
 }
 
 

@@ -1,0 +1,435 @@
+"""`hp-train plan --config run.toml --world N [--gpu h100-80gb]`: a run's memory and time per
+rank at any world size, from the real code, on one CPU and without the hardware.
+
+Each distinct kind of rank (the first and the last rank of each distinct pipeline stage: the
+stages' layers, embedding and head differ, and an uneven FSDP shard is the last rank's) is
+built as the run builds it — `parallel.assemble.shard_stages`, the code every run shards its
+model with — over torch's fake process group (`FakeStore`) of N ranks and on the meta device,
+so a layout that cannot be built fails here with the run's own one-line error, and no memory of
+the model's is allocated. From those shards, exactly: `param_bytes` (fp32 master weights),
+`grad_bytes` (fp32, as FSDP reduces them), `optim_bytes` (AdamW's two moments and a step per
+tensor; SGD's momentum). Activations are traced, not guessed: one micro-batch's forward of the
+model at this rank's local widths (heads, kv heads and ffn / tp, experts / ep, sequence / cp)
+on the meta device, with torch's saved-tensor hooks counting what autograd keeps (activation
+checkpointing applied as the run applies it); with sequence parallelism the residual stream's
+share is divided by tp. A pipeline stage holds `pp - stage` micro-batches of them under 1F1B
+(every micro-batch under GPipe). `peak_bytes` adds FSDP's gathered blocks (the one computing
+and the one prefetched, in the compute dtype) and their unsharded gradients.
+
+With `--gpu`, a roofline: the step's model FLOPs at the GPU's dense bf16 peak, each dimension's
+communication at its link's bandwidth (inside a node for a group that fits in one, else the
+network), FSDP and context-parallel traffic overlapped with compute, tensor-parallel and expert
+all-to-all traffic not, and the pipeline's bubble — never a silent default: without `--gpu`
+there is no time estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hp_runtime.model import Transformer
+from hp_runtime.parallel.mesh import ParallelDims
+from hp_runtime.parallel.pp import layers_per_stage
+from hp_runtime.train.config import Config
+from hp_runtime.train.errors import ConfigError
+
+GIB = 2**30
+LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator of the plan's table (vendors' data sheets)."""
+
+    name: str
+    bf16_tflops: float  # dense tensor-core peak
+    memory_gib: float
+    intra_gbps: float  # GB/s a GPU sends inside its node, one direction (NVLink)
+    inter_gbps: float  # GB/s a GPU sends across nodes (its share of the network)
+    per_node: int = 8
+
+
+GPUS: dict[str, Gpu] = {
+    "h100-80gb": Gpu("H100 SXM 80GB", 989.4, 80, 450, 50),  # NVLink 4; 400 Gb/s NDR a GPU
+    "h200-141gb": Gpu("H200 SXM 141GB", 989.4, 141, 450, 50),
+    "a100-80gb": Gpu("A100 SXM 80GB", 312.0, 80, 300, 25),  # NVLink 3; 200 Gb/s HDR a GPU
+    "b200-180gb": Gpu("B200 180GB", 2250.0, 180, 900, 50),  # NVLink 5
+}
+
+
+@dataclass
+class RankType:
+    ranks: list[int]
+    stage: int
+    layers: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    activation_bytes: int  # one micro-batch
+    in_flight: int  # micro-batches of activations held at once
+    gathered_bytes: int  # FSDP's unsharded blocks and their gradients, at their peak
+    peak_bytes: int
+
+    def json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _state_bytes(modules: list[nn.Module], optim: Any) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer state) bytes of this rank's shards, and the largest block's
+    local (TP-sharded, FSDP-unsharded) parameter count."""
+    params = [p for m in modules for p in m.parameters()]
+    numel = sum(_local(p).numel() for p in params)
+    moments = {"adamw": 2, "sgd": 1 if optim.momentum else 0}[optim.name]
+    steps = len(params) * 4 if optim.name == "adamw" else 0  # a float32 step a tensor
+    block = 0
+    for m in modules:
+        for layer in m.layers.values():
+            block = max(block, sum(_full_local(p) for p in layer.parameters()))
+    return numel * 4, numel * 4, numel * 4 * moments + steps, block
+
+
+def _full_local(p: torch.Tensor) -> int:
+    """A parameter's elements on this rank once FSDP gathers it (TP's shard stays a shard)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shape, names = list(p.shape), p.device_mesh.mesh_dim_names or ()
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard() and mesh_dim < len(names) and names[mesh_dim] == "tp":
+            dim = placement.dim  # type: ignore[attr-defined]
+            shape[dim] = math.ceil(shape[dim] / p.device_mesh.size(mesh_dim))
+    return math.prod(shape)
+
+
+class _FlashSaves(torch.autograd.Function):
+    """Attention as FlashAttention keeps it on a GPU: q, k, v, the output and the float32
+    log-sum-exp of each query (the CPU's kernels keep the s x s scores instead)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # never run
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@contextlib.contextmanager
+def _flash_attention() -> Any:
+    """SDPA counted as the GPU's flash kernel keeps it, for the trace's length."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, **_: _FlashSaves.apply(q, k, v)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def traced_activations(config: Config, layers: int) -> int:
+    """Bytes autograd keeps for one micro-batch of the model cut to `layers` blocks, at this
+    layout's local widths (embedding, head and loss included)."""
+    m, p, t = config.model, config.parallel, config.train
+    tp, cp, ep = p.tp, p.cp, p.ep
+    moe = m.moe
+    if moe is not None:  # this rank's experts; a dense layer first only where it has one
+        experts = max(moe.experts // ep, moe.top_k)
+        moe = replace(moe, experts=experts, first_dense_layers=min(moe.first_dense_layers, 1))
+    local = replace(
+        m,
+        n_layers=layers,
+        n_heads=m.n_heads // tp,
+        n_kv_heads=max(m.n_kv_heads // tp, 1),
+        head_dim=m.head_size,
+        ffn_hidden=m.ffn_hidden // tp,
+        vocab_size=math.ceil(m.vocab_size / tp) if p.loss_parallel else m.vocab_size,
+        moe=replace(moe, first_dense_layers=min(moe.first_dense_layers, layers - 1))
+        if moe
+        else None,
+    )
+    seq = config.data.seq_length // cp
+    with torch.device("meta"):
+        model = Transformer(local)
+    if p.activation_checkpointing != "none":
+        from hp_runtime.parallel.ac import apply_ac
+
+        apply_ac(model, p.activation_checkpointing, p.ac_every)
+    model.train()
+    seen: set[int] = set()
+    total = residual = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total, residual
+        if id(tensor) not in seen:  # a tensor saved twice is kept once
+            seen.add(id(tensor))
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            if tp > 1 and tensor.dim() >= 2 and tensor.shape[-1] == m.dim:
+                residual += nbytes  # sequence parallel keeps a tp-th of the residual stream
+        return tensor
+
+    tokens = torch.zeros(t.micro_batch_size, seq, dtype=torch.long, device="meta")
+    mixed = config.train.mixed_precision != "fp32"
+    autocast: Any = contextlib.nullcontext()
+    if mixed and p.dp_cp_size > 1:  # FSDP computes in its policy's bf16: the weights' dtype
+        model.to(torch.bfloat16)
+    elif mixed:  # one replica: autocast over fp32 weights, as train/setup.py `precision`
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with autocast, _flash_attention(), torch.autograd.graph.saved_tensors_hooks(pack, _same_x):
+        model(tokens, labels=tokens, loss_chunk_tokens=t.loss_chunk_tokens)
+    return total - residual + residual // tp
+
+
+def _same_x(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One micro-batch's saved bytes: a block's, the head and loss's, the input ids'."""
+
+    block: int
+    head: int
+    tokens: int
+
+    @classmethod
+    def trace(cls, config: Config) -> Activations:
+        one, two = traced_activations(config, 1), traced_activations(config, 2)
+        block = two - one
+        tokens = config.train.micro_batch_size * (config.data.seq_length // config.parallel.cp) * 8
+        return cls(block, one - block - tokens, tokens)
+
+    def stage(self, layers: int, first: bool, last: bool) -> int:
+        return layers * self.block + (self.head if last else 0) + (self.tokens if first else 0)
+
+
+def _stages(config: Config, dims: ParallelDims) -> list[tuple[int, int]]:
+    """(pipeline rank, blocks it holds) of each pipeline rank."""
+    p = config.parallel
+    if dims.pp == 1:
+        return [(0, config.model.n_layers)]
+    sizes = layers_per_stage(config.model.n_layers, dims.pp * p.pp_virtual_stages, None)
+    return [
+        (r, sum(sizes[s] for s in range(r, dims.pp * p.pp_virtual_stages, dims.pp)))
+        for r in range(dims.pp)
+    ]
+
+
+def rank_type(
+    config: Config, dims: ParallelDims, world: int, rank: int, traced: Activations
+) -> RankType:
+    """One rank's shards, built over a fake process group of `world` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_runtime.parallel.assemble import shard_stages
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        p = config.parallel
+        param_dtype = torch.bfloat16 if config.train.mixed_precision != "fp32" else None
+        stages, mesh, _ = shard_stages(config.model, dims, "cpu", p, param_dtype)
+        modules = [module for _, module in stages]
+        params, grads, optim, block = _state_bytes(modules, config.optim)
+        stage = mesh["pp"].get_local_rank() if dims.pp > 1 else 0  # type: ignore[index]
+    finally:
+        dist.destroy_process_group()
+    layers = sum(len(module.layers) for module in modules)
+    first = any(module.tok_embeddings is not None for module in modules)
+    last = any(module.output is not None for module in modules)
+    activation = traced.stage(layers, first, last)
+    micro = _micro_batches(config, dims)
+    in_flight = micro if p.pp_schedule == "gpipe" else min(micro, dims.pp - stage)
+    compute = 2 if param_dtype is not None else 4
+    gathered = 0
+    if dims.dp_cp_size > 1:  # a block gathered, the next prefetched, and one's gradients
+        gathered = block * (2 * compute + 4)
+    peak = params + grads + optim + in_flight * activation + gathered
+    return RankType([rank], stage, layers, params, grads, optim, activation, in_flight,
+                    gathered, peak)  # fmt: skip
+
+
+def _micro_batches(config: Config, dims: ParallelDims) -> int:
+    t = config.train
+    dp = dims.dp_replicate * dims.dp_shard
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    return max(gbs // (t.micro_batch_size * dp), 1)
+
+
+def representatives(config: Config, dims: ParallelDims, world: int) -> list[int]:
+    """The first and last rank of each distinct pipeline stage (first, last, and one of each
+    size of the middle ones): every other rank is one of them, shard for shard."""
+    per_stage = world // dims.pp
+    stages = _stages(config, dims)
+    kinds: dict[tuple[int, bool, bool], int] = {}
+    for stage, layers in stages:
+        kinds.setdefault((layers, stage == 0, stage == dims.pp - 1), stage)
+    ranks = []
+    for stage in sorted(kinds.values()):
+        ranks += [stage * per_stage, (stage + 1) * per_stage - 1]
+    return sorted(set(ranks))
+
+
+def plan(config: Config, world: int, gpu: str | None = None) -> dict[str, Any]:
+    """The plan's report: per rank type its bytes (the stable fields `param_bytes`,
+    `grad_bytes`, `optim_bytes`, `activation_bytes`, `peak_bytes`), the communication a rank
+    sends per step per dimension, and with `gpu` the roofline's step time and MFU."""
+    if world < 1:
+        raise ConfigError(f"--world {world}: give the number of ranks, at least 1")
+    device = GPUS.get(gpu) if gpu else None
+    if gpu and device is None:
+        raise ConfigError(f"--gpu {gpu}: choose one of {', '.join(GPUS)}")
+    p = config.parallel
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep
+    )
+    try:
+        dims.validate(world, config.model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    types: list[RankType] = []
+    traced = Activations.trace(config)
+    for rank in representatives(config, dims, world):
+        kind = rank_type(config, dims, world, rank, traced)
+        same = next((t for t in types if _same(t, kind)), None)
+        if same is not None:
+            same.ranks += kind.ranks
+        else:
+            types.append(kind)
+    comm = communication(config, dims, types)
+    report: dict[str, Any] = {
+        "world": world,
+        "layout": {
+            k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+        },
+        "micro_batches": _micro_batches(config, dims),
+        "rank_types": [t.json() for t in types],
+        "communication_bytes": comm,
+        "gpu": None,
+    }
+    if device is not None:
+        report["gpu"] = {"name": device.name, "memory_bytes": int(device.memory_gib * GIB)}
+        report |= roofline(config, dims, world, comm, device)
+        for t in report["rank_types"]:
+            t["fits"] = t["peak_bytes"] <= device.memory_gib * GIB
+    return report
+
+
+def _same(a: RankType, b: RankType) -> bool:
+    keys = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "peak_bytes")
+    return a.stage == b.stage and all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> dict[str, int]:
+    """Bytes a rank sends in a step, per dimension (ring algorithms: (n-1)/n of the data)."""
+    m, t = config.model, config.train
+    micro = _micro_batches(config, dims)
+    compute = 2 if config.train.mixed_precision != "fp32" else 4
+    shard = max(tt.param_bytes for tt in types) // 4  # the largest rank's parameter elements
+    seq = config.data.seq_length // dims.cp
+    activation = t.micro_batch_size * seq * m.dim * compute  # one residual-stream tensor
+    layers = max(tt.layers for tt in types)
+    out: dict[str, int] = {}
+    f = dims.dp_shard * dims.cp
+    if f > 1:  # per micro-batch: gather forward and backward, reduce-scatter the gradients
+        out["fsdp"] = int(micro * shard * (f - 1) * (2 * compute + 4))
+    if dims.dp_replicate > 1:
+        r = dims.dp_replicate
+        out["dp_replicate"] = int(2 * (r - 1) / r * shard * 4)
+    if dims.tp > 1:  # sequence parallel: 2 gathers + 2 reduce-scatters a block, each way
+        out["tp"] = int(micro * layers * 8 * activation * (dims.tp - 1) / dims.tp)
+    if dims.cp > 1:  # ring attention: k and v around the ring, and their gradients back
+        kv = t.micro_batch_size * seq * m.n_kv_heads * m.head_size * compute // max(dims.tp, 1)
+        out["cp"] = int(micro * layers * 4 * kv * (dims.cp - 1))
+    if dims.pp > 1:  # activations forward, their gradients back, a micro-batch each
+        out["pp"] = int(micro * 2 * activation // dims.tp)
+    if dims.ep > 1 and m.moe is not None:
+        routed = t.micro_batch_size * seq * m.moe.top_k * m.dim * compute
+        moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers)) // dims.pp
+        out["ep"] = int(micro * moe_layers * 4 * routed * (dims.ep - 1) / dims.ep)
+    return out
+
+
+def _stride(dims: ParallelDims, name: str) -> int:
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's, outermost first
+    inner = order[order.index(name) + 1 :]
+    return math.prod(getattr(dims, n) for n in inner)
+
+
+def roofline(
+    config: Config, dims: ParallelDims, world: int, comm: dict[str, int], gpu: Gpu
+) -> dict[str, Any]:
+    """Step time and MFU: compute at the peak, each dimension at its link, what overlaps."""
+    m, t = config.model, config.train
+    dp = dims.dp_replicate * dims.dp_shard
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    seq = config.data.seq_length
+    flops = m.flops_per_token(seq) * gbs * seq / world  # a rank's share of the step
+    p = config.parallel
+    recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / (3 * p.ac_every)}
+    # checkpointed blocks run their forward again (a third of a step's FLOPs): not model FLOPs
+    compute_s = flops * (1 + recompute[p.activation_checkpointing]) / (gpu.bf16_tflops * 1e12)
+    model_s = flops / (gpu.bf16_tflops * 1e12)
+    seconds = {}
+    for name, nbytes in comm.items():
+        size = {"fsdp": dims.dp_shard * dims.cp, "dp_replicate": dims.dp_replicate}.get(
+            name, getattr(dims, name, 1)
+        )
+        stride = _stride(dims, "dp_shard" if name == "fsdp" else name) if name != "ep" else 1
+        inside = size * stride <= gpu.per_node
+        seconds[name] = nbytes / ((gpu.intra_gbps if inside else gpu.inter_gbps) * 1e9)
+    overlapped = sum(seconds.get(n, 0.0) for n in ("fsdp", "dp_replicate", "cp"))
+    exposed = sum(seconds.get(n, 0.0) for n in ("tp", "ep", "pp"))
+    bubble = (dims.pp - 1) / (_micro_batches(config, dims) * config.parallel.pp_virtual_stages)
+    step = max(compute_s, overlapped) + exposed + bubble * compute_s
+    return {
+        "step_time_s": step,
+        "compute_s": compute_s,
+        "communication_s": seconds,
+        "pipeline_bubble": bubble if dims.pp > 1 else 0.0,
+        "tokens_per_s_per_device": gbs * seq / world / step,
+        "mfu": model_s / step,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    layout = " x ".join(f"{k} {v}" for k, v in report["layout"].items() if v > 1) or "one rank"
+    lines = [f"hp-train plan: {report['world']} ranks, {layout}, "
+             f"{report['micro_batches']} micro-batches a step"]  # fmt: skip
+    lines.append("ranks | stage | layers | params | grads | optimizer | activations x held | "
+                 "peak (GiB)" + (" | fits" if report["gpu"] else ""))  # fmt: skip
+    for t in report["rank_types"]:
+        shown = ", ".join(map(str, t["ranks"][:4])) + (" ..." if len(t["ranks"]) > 4 else "")
+        fits = (" | yes" if t["fits"] else " | NO") if report["gpu"] else ""
+        lines.append(
+            f"{shown} | {t['stage']} | {t['layers']} | {t['param_bytes'] / GIB:.2f} | "
+            f"{t['grad_bytes'] / GIB:.2f} | {t['optim_bytes'] / GIB:.2f} | "
+            f"{t['activation_bytes'] / GIB:.2f} x {t['in_flight']} | "
+            f"{t['peak_bytes'] / GIB:.2f}{fits}"
+        )
+    comm = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in report["communication_bytes"].items())
+    lines.append(f"sent a step per rank: {comm or 'nothing'}")
+    if report["gpu"]:
+        lines.append(
+            f"on {report['gpu']['name']}: step {report['step_time_s']:.3f} s (compute "
+            f"{report['compute_s']:.3f} s), {report['tokens_per_s_per_device']:,.0f} tokens/s "
+            f"a GPU, MFU {report['mfu']:.1%} (a roofline: an upper bound)"
+        )
+    else:
+        lines.append("no time estimate: give --gpu (" + ", ".join(GPUS) + ")")
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""`hp-train plan`: per kind of rank, the bytes a real run allocates, built over a fake process
+group on this CPU. Checked against real gloo runs of the same layouts (parameters, gradients
+and AdamW's state, to the byte), against a real CPU forward's saved tensors (activations,
+within 10%), and against ZeRO-3's published 16 bytes a parameter over the shards."""
+
+from __future__ import annotations
+
+import pytest
+from hp_runtime.train.config import load_config
+
+from tests.helpers.distributed import run_ranks
+from tests.helpers.train import hp_train_here
+
+BASE = ["model.preset=tiny", "data.type=dummy", "data.seq_length=64", "train.steps=1",
+        "train.micro_batch_size=2"]  # fmt: skip
+
+
+def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
+    """What a real run of this layout allocates on this rank, after one step of AdamW."""
+    import torch
+    from hp_runtime.parallel import assemble
+    from hp_runtime.train.optim import build_optimizer
+    from torch.distributed.tensor import DTensor
+
+    config = load_config(None, [*BASE, *overrides])
+    p = config.parallel
+    assembly = assemble(config.model, p, torch.device("cpu"), seed=0, options=p,
+                        param_dtype=torch.bfloat16, loss_fn=lambda a, b: a.sum())  # fmt: skip
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    for param in assembly.parameters:  # the gradients a backward leaves: one a parameter
+        param.grad = torch.zeros_like(param)
+    optimizer = build_optimizer(assembly.modules, config.optim, False, torch.device("cpu"))
+    optimizer.step()
+    states = [v for o in optimizer.optimizers for s in o.state.values() for v in s.values()]
+    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    return {
+        "param_bytes": nbytes(assembly.parameters),
+        "grad_bytes": nbytes(param.grad for param in assembly.parameters),
+        "optim_bytes": nbytes(states),
+    }
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.dp_shard=2", "parallel.tp=2"],
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
+    ],
+)
+def test_state_bytes_equal_a_real_run(layout):
+    from hp_runtime.train.plan import plan
+
+    real = run_ranks(_allocated, 4, layout)
+    report = plan(load_config(None, [*BASE, *layout]), 4)
+    planned = {r: t for t in report["rank_types"] for r in t["ranks"]}
+    assert planned  # the kinds the planner built: the first and last rank of each stage
+    for rank, kind in planned.items():
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert kind[key] == real[rank][key], (layout, rank, key)
+
+
+def test_activations_within_ten_percent_of_a_real_forward():
+    import torch
+    from hp_runtime.model import Transformer
+    from hp_runtime.train.plan import plan
+
+    config = load_config(None, [*BASE, "train.mixed_precision=fp32"])
+    model = Transformer(config.model)
+    seen, total = set(), [0]
+
+    def pack(tensor):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen and tensor.requires_grad is not None:
+            seen.add(key)
+            total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    tokens = torch.randint(0, config.model.vocab_size, (2, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(tokens, labels=tokens)
+    planned = plan(config, 1)["rank_types"][0]["activation_bytes"]
+    assert abs(planned - total[0]) <= 0.10 * total[0], (planned, total[0])
+    assert total[0] > 2 * 64 * config.model.dim * 4 * config.model.n_layers  # not a trivial count
+
+
+def test_sharded_state_is_zero3s_sixteen_bytes_a_parameter():
+    from hp_runtime.train.plan import plan
+
+    config = load_config(None, [*BASE, "model.preset=125m", "parallel.dp_shard=8"])
+    kind = plan(config, 8)["rank_types"][0]
+    state = kind["param_bytes"] + kind["grad_bytes"] + kind["optim_bytes"]
+    expected = 16 * config.model.num_params() / 8  # Rajbhandari et al. 2020, stage 3
+    assert abs(state - expected) <= 0.001 * expected
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world", "3", "parallel.dp_shard=2"], "world size"),
+        (["--world", "0"], "--world 0: give the number of ranks"),
+        (["--world", "2", "--gpu", "h100", "parallel.dp_shard=2"], "--gpu h100: choose one of"),
+    ],
+)
+def test_bad_requests_are_one_line(args, message):
+    done = hp_train_here("plan", *BASE, *args)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_the_table_and_the_roofline():
+    done = hp_train_here("plan", *BASE, "parallel.dp_shard=4", "--world", "4", "--gpu",
+                         "h100-80gb")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "on H100 SXM 80GB: step" in done.stdout and "MFU" in done.stdout
+    assert "fsdp" in done.stdout  # the traffic of the one dimension there is
