@@ -28,7 +28,6 @@ def test_the_limit_and_when_a_step_is_overdue(tmp_path):
         dog.step_done(seconds)
     assert dog.limit() == 10 * 39.5  # ten medians (2, 39, 40, 41)
     dog.beat(5, "data")
-    started = time.monotonic()
     dog.beat(5, "update")  # a later phase keeps the step's start
     assert dog.overdue(started + 390) is None
     assert dog.overdue(started + 400)[:2] == (5, 2)
@@ -95,7 +94,6 @@ def test_a_stalled_rank_stops_the_job_with_one_line(tmp_path):
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(textwrap.dedent(STALL))
     run = tmp_path / "run"
-    started = time.monotonic()
     done = torchrun(
         2,
         *FAST,
@@ -105,10 +103,9 @@ def test_a_stalled_rank_stops_the_job_with_one_line(tmp_path):
         "train.steps=50",
         "train.hang_timeout_s=3",
         f"train.run_dir={run}",
-        timeout=300,  # a loaded machine starts two ranks slowly
+        timeout=300,  # the bound: far below the 900 s sleep and the 600 s collective timeout
         env={"PYTHONPATH": os.pathsep.join([str(inject), *sys.path])},
     )
-    assert time.monotonic() - started < 300  # not the 900 s sleep, nor a 600 s collective timeout
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("hp-train:")]
     assert len(ours) == 1, done.stderr[-3000:]
