@@ -28,6 +28,7 @@ def test_the_limit_and_when_a_step_is_overdue(tmp_path):
         dog.step_done(seconds)
     assert dog.limit() == 10 * 39.5  # ten medians (2, 39, 40, 41)
     dog.beat(5, "data")
+    started = time.monotonic()
     dog.beat(5, "update")  # a later phase keeps the step's start
     assert dog.overdue(started + 390) is None
     assert dog.overdue(started + 400)[:2] == (5, 2)
