@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -33,12 +34,40 @@ def cache_key(description: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
+# The descriptors of the lock files this process has open (`key_lock`), and a guard that a
+# fork waits for. A forked child (a DataLoader worker) shares each with its parent: the lock
+# would stay held by the child's copy, for the child's life, after the parent lets go, and no
+# process of the node could take it again. The child drops its copies at once.
+_held: set[int] = set()
+_guard = threading.Lock()
+
+
+def _drop_inherited() -> None:
+    _guard.release()
+    if _held:
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd in _held:  # the child's copy goes; the number stays open (on /dev/null), so
+            os.dup2(null, fd)  # the parent thread's file object, gone here, closes nothing else
+        os.close(null)
+        _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_guard.acquire, after_in_parent=_guard.release, after_in_child=_drop_inherited
+    )
+
+
 @contextmanager
 def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
     """Held while one key is built: builders of the same key, in any process, take turns,
     and the later ones find what the first committed. `timeout`: seconds to wait for the
-    holder before `TimeoutError` (None: as long as it takes; a holder that dies lets go)."""
-    with open(f"{base}.lock", "w") as lock:
+    holder before `TimeoutError` (None: as long as it takes; a holder that dies lets go; a
+    process forked meanwhile does not hold it)."""
+    with _guard:
+        lock = open(f"{base}.lock", "w")  # noqa: SIM115 (closed under the guard, below)
+        _held.add(lock.fileno())
+    try:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -49,6 +78,10 @@ def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
                     raise TimeoutError(f"{base}.lock: held for more than {timeout:g} s") from None
                 time.sleep(0.02)
         yield
+    finally:
+        with _guard:
+            _held.discard(lock.fileno())
+            lock.close()
 
 
 def _writable(directory: str) -> bool:

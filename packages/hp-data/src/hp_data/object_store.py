@@ -25,6 +25,7 @@ recently used ones: only chunk files, only inside `CACHE/remote/`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -335,7 +336,12 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 def _download(url: str, pin: Pin, start: int, size: int, target: str) -> None:
     """Bytes [start, start + size) of the pinned object at `url` into `target`, whole or not
-    at all (a temporary name renamed into place)."""
+    at all (a temporary name renamed into place). Called under `target`'s lock, so another
+    temporary file of it is a killed process's half download: deleted (nothing else would,
+    and it is not counted in the cache bound)."""
+    for stale in glob.glob(glob.escape(target) + ".tmp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
     tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with open_pinned(url, pin, "a dataset file") as stream, open(tmp, "wb") as out:

@@ -135,6 +135,7 @@ class PhasePlan:
     counts: list[np.ndarray]  # phase -> samples each member gives
     offsets: list[np.ndarray]  # phase -> each member's stream position at the phase's start
     cache_reports: list[dict[str, Any]] = field(default_factory=list)
+    store: StoreOptions = field(default_factory=StoreOptions)  # how URL prefixes are read
     _fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -195,7 +196,7 @@ class PhasePlan:
     def fingerprint(self, prefix: str) -> dict[str, Any]:
         """The corpus identity of `prefix` (hashed once per plan)."""
         if prefix not in self._fingerprints:
-            with IndexedDataset(prefix, validate=False) as dataset:
+            with IndexedDataset(prefix, validate=False, store=self.store) as dataset:
                 self._fingerprints[prefix] = corpus_fingerprint(dataset)
         return self._fingerprints[prefix]
 
@@ -387,6 +388,7 @@ def plan_phases(
         counts,
         offsets,
         reports,
+        StoreOptions.of(config),
     )
 
 

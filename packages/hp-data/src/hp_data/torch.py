@@ -126,6 +126,18 @@ def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def worker_message(exc: BaseException) -> str:
+    """The message of an error raised in a DataLoader worker. torch raises it again in the
+    main process with the worker's traceback as its text ("Caught X in DataLoader worker
+    process N.\nOriginal Traceback ..."); hp's messages are one line: the traceback's last,
+    without the class name. Any other error's message as it is."""
+    text = str(exc).strip()
+    if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
+        return text
+    name, _, message = text.splitlines()[-1].partition(": ")
+    return message if name.split(".")[-1] == type(exc).__name__ else text.splitlines()[-1]
+
+
 def make_dataloader(
     dataset: ItemDataset,
     sampler: PretrainingSampler,

@@ -638,12 +638,14 @@ def _ramp_shown(ramp: BatchRamp | None) -> str:
     return "none" if ramp is None else f"[{ramp.start}, {ramp.increment}, {ramp.samples}]"
 
 
-def check_ramp(meta: dict[str, Any], path: str, plan: BatchPlan) -> None:
+def check_ramp(meta: dict[str, Any], path: str, plan: BatchPlan, phased: bool = False) -> None:
     """A changed (or added, or removed) `train.batch_ramp` changes which samples the steps
     train on: refused while the checkpoint's next step is inside either ramp. Past both ends
     every step trains the full batch either way; then it is refused only if the new ramp
     counts fewer samples up to the checkpoint than the run trained (the data is built for the
-    new count, and would run out)."""
+    new count, and would run out), or, with `data.phases` (`phased`), another number: each
+    phase's first sample is the plan's count before its step, so the later phases would
+    start at other steps."""
     recorded = saved_section(meta, "train").get("batch_ramp")  # none: written without one
     try:
         saved = None if recorded is None else BatchRamp(**recorded)
@@ -674,6 +676,14 @@ def check_ramp(meta: dict[str, Any], path: str, plan: BatchPlan) -> None:
             "train.batch_ramp as it was to resume",
             fallback=False,
         )
+    if phased and plan.samples_after(step) != trained:
+        raise CheckpointError(
+            f"{change}: with data.phases the new ramp counts {plan.samples_after(step)} "
+            f"samples up to step {step}, not the {trained} trained, so the later phases would "
+            "start at other steps than their from_step or from_tokens; keep train.batch_ramp "
+            "as it was to resume",
+            fallback=False,
+        )
 
 
 def check_compatible(
@@ -699,7 +709,7 @@ def check_compatible(
             f"{saved_gbs}: keep it to resume (the data-parallel size may change)",
             fallback=False,
         )
-    check_ramp(meta, path, plan)
+    check_ramp(meta, path, plan, phased=mixture is not None)
     saved = meta["data"]
     now = redact_data({key: getattr(config.data, key) for key in DATA_KEYS})
     changes = [

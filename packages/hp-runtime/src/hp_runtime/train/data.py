@@ -39,7 +39,7 @@ from hp_data.registry import (
 from hp_data.sampler import PretrainingSampler
 from hp_data.token_ids import token_ids
 from hp_data.tokenize import TokenizerFiles, vocab_size
-from hp_data.torch import make_dataloader
+from hp_data.torch import make_dataloader, worker_message
 
 from hp_runtime.train.config import BatchRamp, Config, DataConfig
 from hp_runtime.train.errors import ConfigError, TrainError
@@ -539,6 +539,8 @@ class Loader:
                     "data: the sampler ran out of samples; the dataset is smaller than "
                     "train.steps x train.global_batch_size (less a train.batch_ramp's share)"
                 ) from None
+            except HpDataError as exc:  # a worker's read (a store gone): one line, no trace
+                raise TrainError(worker_message(exc)) from None
             self.waited += time.perf_counter() - start
             out.append(
                 {
