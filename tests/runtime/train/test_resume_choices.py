@@ -53,3 +53,15 @@ def test_a_resume_may_change_the_kernel_and_the_chunking(tmp_path, old):
     resumed = _run(run, "train.steps=5", "model.attention=segments", "train.loss_chunk_tokens=6")
     assert len(resumed) == len(whole) == 5
     np.testing.assert_allclose(resumed, whole, rtol=1e-5, atol=0)
+
+
+def test_a_refused_resume_leaves_the_runs_own_config(tmp_path):
+    """The run directory's config.toml says how its checkpoints were trained: a resume that
+    is refused (another global batch) writes nothing over it."""
+    run = tmp_path / "run"
+    _run(run, "train.steps=3")
+    before = (run / "config.toml").read_bytes()
+    done = hp_train_here(*BASE, f"train.run_dir={run}", "train.steps=4",
+                         "train.global_batch_size=8")  # fmt: skip
+    assert done.returncode == 1 and "train.global_batch_size=8" in done.stderr, done.stderr
+    assert (run / "config.toml").read_bytes() == before

@@ -250,7 +250,6 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             failure = exc
         agree(failure, runtime)
     if runtime.is_main:
-        write_config(config, t.run_dir)
         print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
         print(to_toml(config), file=stream, flush=True)
     torch.manual_seed(t.seed)
@@ -296,7 +295,8 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
             failure = exc
         agree(failure, runtime)
         say(f"hp-train: initialised from {config.model_init_from}")
-    if runtime.is_main:
+    if runtime.is_main:  # once the run is this config's: a refused resume leaves the run's own
+        write_config(config, t.run_dir)
         fresh = resumed is None or checkpointer.seeds(resumed)
         aside = continue_log(t.run_dir, state.step, fresh)
         if aside is not None:
