@@ -44,7 +44,12 @@ def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     "layout",
     [
         ["parallel.dp_shard=2", "parallel.tp=2"],
-        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2"],
+        [
+            "parallel.pp=2",
+            "parallel.dp_shard=2",
+            "parallel.pp_microbatches=2",
+            "train.global_batch_size=8",
+        ],
     ],
 )
 def test_state_bytes_equal_a_real_run(layout):

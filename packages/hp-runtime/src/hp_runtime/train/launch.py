@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -124,3 +125,15 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def fresh_directory(parent: str, prefix: str, runtime: Runtime) -> str:
+    """A new directory under `parent`, made by rank 0 under a fresh name (nothing of the
+    user's is reused) and named to every rank: where `verify` and `replay` train."""
+    name: list[str | None] = [None]
+    if runtime.is_main:
+        os.makedirs(parent, exist_ok=True)
+        name = [tempfile.mkdtemp(prefix=prefix, dir=parent)]
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(name, src=0)
+    return name[0]  # type: ignore[return-value]

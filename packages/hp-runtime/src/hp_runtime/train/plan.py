@@ -39,6 +39,7 @@ from hp_runtime.model import Transformer
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.pp import layers_per_stage
 from hp_runtime.train.config import Config
+from hp_runtime.train.data import batch_plan
 from hp_runtime.train.errors import ConfigError
 
 GIB = 2**30
@@ -253,7 +254,7 @@ def rank_type(
     first = any(module.tok_embeddings is not None for module in modules)
     last = any(module.output is not None for module in modules)
     activation = traced.stage(layers, first, last)
-    micro = _micro_batches(config, dims)
+    micro = batch_plan(config).accumulation
     in_flight = micro if p.pp_schedule == "gpipe" else min(micro, dims.pp - stage)
     compute = 2 if param_dtype is not None else 4
     gathered = 0
@@ -262,13 +263,6 @@ def rank_type(
     peak = params + grads + optim + in_flight * activation + gathered
     return RankType([rank], stage, layers, params, grads, optim, activation, in_flight,
                     gathered, peak)  # fmt: skip
-
-
-def _micro_batches(config: Config, dims: ParallelDims) -> int:
-    t = config.train
-    dp = dims.dp_replicate * dims.dp_shard
-    gbs = t.global_batch_size or t.micro_batch_size * dp
-    return max(gbs // (t.micro_batch_size * dp), 1)
 
 
 def representatives(config: Config, dims: ParallelDims, world: int) -> list[int]:
@@ -317,7 +311,7 @@ def plan(config: Config, world: int, gpu: str | None = None) -> dict[str, Any]:
         "layout": {
             k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
         },
-        "micro_batches": _micro_batches(config, dims),
+        "micro_batches": batch_plan(config).accumulation,
         "rank_types": [t.json() for t in types],
         "communication_bytes": comm,
         "gpu": None,
@@ -338,7 +332,7 @@ def _same(a: RankType, b: RankType) -> bool:
 def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> dict[str, int]:
     """Bytes a rank sends in a step, per dimension (ring algorithms: (n-1)/n of the data)."""
     m, t = config.model, config.train
-    micro = _micro_batches(config, dims)
+    micro = batch_plan(config).accumulation
     compute = 2 if config.train.mixed_precision != "fp32" else 4
     shard = max(tt.param_bytes for tt in types) // 4  # the largest rank's parameter elements
     seq = config.data.seq_length // dims.cp
@@ -375,9 +369,8 @@ def roofline(
     config: Config, dims: ParallelDims, world: int, comm: dict[str, int], gpu: Gpu
 ) -> dict[str, Any]:
     """Step time and MFU: compute at the peak, each dimension at its link, what overlaps."""
-    m, t = config.model, config.train
-    dp = dims.dp_replicate * dims.dp_shard
-    gbs = t.global_batch_size or t.micro_batch_size * dp
+    m = config.model
+    gbs = batch_plan(config).global_batch_size
     seq = config.data.seq_length
     flops = m.flops_per_token(seq) * gbs * seq / world  # a rank's share of the step
     p = config.parallel
@@ -395,7 +388,7 @@ def roofline(
         seconds[name] = nbytes / ((gpu.intra_gbps if inside else gpu.inter_gbps) * 1e9)
     overlapped = sum(seconds.get(n, 0.0) for n in ("fsdp", "dp_replicate", "cp"))
     exposed = sum(seconds.get(n, 0.0) for n in ("tp", "ep", "pp"))
-    bubble = (dims.pp - 1) / (_micro_batches(config, dims) * config.parallel.pp_virtual_stages)
+    bubble = (dims.pp - 1) / (batch_plan(config).accumulation * config.parallel.pp_virtual_stages)
     step = max(compute_s, overlapped) + exposed + bubble * compute_s
     return {
         "step_time_s": step,

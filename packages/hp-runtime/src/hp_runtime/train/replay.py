@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -29,7 +28,7 @@ from hp_runtime.train.checkpoint import committed, read_meta
 from hp_runtime.train.config import load_config
 from hp_runtime.train.data import Batch
 from hp_runtime.train.errors import TrainError
-from hp_runtime.train.launch import Runtime
+from hp_runtime.train.launch import Runtime, fresh_directory
 
 
 @dataclass
@@ -39,14 +38,6 @@ class ReplayedStep:
     grad_norm: float
     logged_loss: float | None  # None: the run did not log that step
     logged_grad_norm: float | None
-
-
-def _shared(value: Any, runtime: Runtime) -> Any:
-    """Rank 0's `value` on every rank."""
-    box = [value]
-    if runtime.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def starting_point(run_dir: str, step: int) -> str | None:
@@ -165,10 +156,7 @@ def replay(
         if p.pp > 1 or p.cp > 1:
             raise TrainError("--dump needs pp = 1 and cp = 1 (whole samples): replay with them")
     start = starting_point(run_dir, step)
-    work = None
-    if runtime.is_main:
-        work = tempfile.mkdtemp(prefix="replay-", dir=run_dir)
-    work = _shared(work, runtime)
+    work = fresh_directory(run_dir, "replay-", runtime)
     try:
         config = load_config(
             config_path,

@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from hp_runtime.train.config import Config, load_config, toml_value
 from hp_runtime.train.errors import TrainError
-from hp_runtime.train.launch import Runtime
+from hp_runtime.train.launch import Runtime, fresh_directory
 
 HEAD_WIDTH = 8  # the shrunk model's head_dim: rotary needs an even width
 SHORT_SEQUENCE = 128  # tokens a sample; rounded to what cp and tp need
@@ -150,18 +149,6 @@ def compare(layout_dir: str, reference_dir: str, steps: int) -> list[StepDiffere
     return out
 
 
-def _agreed_directory(config: Config, runtime: Runtime) -> str:
-    """A new directory under RUN_DIR for both runs, made by rank 0 and named to every rank
-    (nothing of the user's is reused: a fresh name each time)."""
-    name = [None]
-    if runtime.is_main:
-        os.makedirs(config.train.run_dir, exist_ok=True)
-        name = [tempfile.mkdtemp(prefix="verify-", dir=config.train.run_dir)]
-    if runtime.world_size > 1:
-        dist.broadcast_object_list(name, src=0)
-    return name[0]  # type: ignore[return-value]
-
-
 def verify(
     config_path: str | None,
     overrides: list[str],
@@ -179,7 +166,7 @@ def verify(
     stream = stream or sys.stdout
     overrides = [*overrides, f"train.steps={steps}"]  # the run's own length is not verify's
     config = load_config(config_path, overrides)
-    work = _agreed_directory(config, runtime)
+    work = fresh_directory(config.train.run_dir, "verify-", runtime)
     shrunk = [*overrides, *shrink(config)]
     layout_config = load_config(config_path, [*shrunk, f"train.run_dir={work}/layout"])
     reference_dir = os.path.join(work, "one-process")
