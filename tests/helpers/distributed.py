@@ -103,6 +103,11 @@ def _worker(tasks: Any, results: Any) -> None:
             dist.init_process_group(
                 "gloo", init_method=f"file://{store}", rank=rank, world_size=world
             )
+            # gloo's full-mesh connect can return on one rank while a peer is still reading
+            # its handshake: a body without collectives would then destroy the group under
+            # the peer ("Connection closed by peer"). A barrier holds every rank until all
+            # are connected.
+            dist.barrier()
             report = (rank, "ok", fn(rank, world, *args))
         except BaseException:
             report = (rank, "error", traceback.format_exc())
