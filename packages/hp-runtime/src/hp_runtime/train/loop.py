@@ -20,7 +20,7 @@ from hp_runtime.train.data import Batch, BatchPlan, Loader
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeStop, blame_command, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals
-from hp_runtime.train.metrics import LaggedValues
+from hp_runtime.train.metrics import LaggedValues, StepClock
 from hp_runtime.train.plot import plot_run
 from hp_runtime.train.profile import StepProfiler
 from hp_runtime.train.schedule import lr_at
@@ -115,6 +115,7 @@ class Loop:
         self.lagged = LaggedValues()
         self.skipped_since_log: set[int] = set()
         self.step_times: deque[float] = deque(maxlen=5)  # the time limit's margin
+        self.clock = StepClock(runtime.device)  # this rank's step times, for the stragglers
         self.signals = StopSignals()
         self.moe = torch.zeros(0, 3)  # the last step's MoE figures, on the device until logged
         # Called with (step, micro-batches) once a step's gradients are reduced, before they
@@ -160,7 +161,7 @@ class Loop:
     def step(self, step: int) -> float:
         """Train one global batch and update (unless the spike guard skips it); its lr."""
         run, state, plan = self.run, self.state, self.run.plan
-        step_start = time.perf_counter()
+        self.clock.start()
         self.watchdog.beat(step, "data")
         self.profiler.before(step)
         lr = lr_at(step, self.config.optim, self.t.steps)
@@ -190,7 +191,7 @@ class Loop:
         self.settle(self.lagged.push(step, values))
         run.checkpointer.poll()
         self.log_commits()
-        self.step_times.append(time.perf_counter() - step_start)
+        self.step_times.append(self.clock.stop())
         self.watchdog.step_done(self.step_times[-1])
         self.profiler.after(step)
         return lr
@@ -231,6 +232,7 @@ class Loop:
             lr,
             self.state.consumed_samples,
             self.loader.waited if self.loader is not None else 0.0,
+            self.clock.take(),
             skipped=step in self.skipped_since_log,
             moe=self.moe.tolist(),  # a logged step reads its values at once (a host sync)
         )

@@ -138,6 +138,57 @@ class LaggedValues:
         return step, host.tolist()
 
 
+def gather_ranks(values: list[float], device: torch.device) -> np.ndarray:
+    """float64 [world, len(values)]: every rank's `values`, row r from rank r (one small
+    all-gather; a collective)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows).cpu().numpy()
+
+
+class StepClock:
+    """This rank's own step times over a log interval, for the straggler figures: the host's
+    clock and, on CUDA, the stream's time between two events, the larger of the two per step
+    (as Megatron's straggler detector takes them). The events are read at log time, when the
+    logged values have synchronised the device anyway: no step waits for them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start = 0.0
+        self._event: Any = None
+        self._steps: list[tuple[float, Any, Any]] = []  # (host seconds, start, end event)
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        if self.cuda:
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+
+    def stop(self) -> float:
+        """The step's host seconds (the watchdog's and the time limit's clock)."""
+        seconds = time.perf_counter() - self._start
+        end = None
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self._steps.append((seconds, self._event, end))
+        return seconds
+
+    def take(self) -> float:
+        """The mean step seconds since the last take (0 when no step ran), and a new interval."""
+        steps, self._steps = self._steps, []
+        if not steps:
+            return 0.0
+        total = 0.0
+        for seconds, start, end in steps:
+            if end is not None:
+                end.synchronize()
+                seconds = max(seconds, start.elapsed_time(end) / 1000)
+            total += seconds
+        return total / len(steps)
+
+
 def moe_fields(figures: list[list[float]], aux_loss: bool) -> dict[str, Any]:
     """A train record's MoE fields from a step's figures (`Stepper.train_step`: one row a MoE
     layer, [mean auxiliary loss, max / mean tokens per expert, tokens routed]); none for a
@@ -253,22 +304,25 @@ class MetricsLog:
         lr: float,
         consumed_samples: int,
         data_wait_s: float,
+        step_s: float = 0.0,
         skipped: bool = False,
         moe: list[list[float]] | None = None,
     ) -> dict[str, Any]:
-        """Log `step` (a collective: every rank calls it at the same steps); `moe`: the
-        step's MoE figures, one row per layer of `moe_layers`."""
+        """Log `step` (a collective: every rank calls it at the same steps); `step_s`: this
+        rank's mean step time over the interval (`StepClock`); `moe`: the step's MoE
+        figures, one row per layer of `moe_layers`."""
         now = time.perf_counter()
         elapsed = max(now - self._mark_time, 1e-9)
         t = self.throughput
         tokens, flops_per_token = t.between(self._mark_step, step)
         tokens_per_s = tokens / elapsed
         per_device = tokens_per_s / t.world_size
-        shared = torch.tensor(
-            [100.0 * data_wait_s / elapsed, peak_memory_gib(self.device)], device=self.device
+        ranks = gather_ranks(
+            [100.0 * data_wait_s / elapsed, peak_memory_gib(self.device), step_s], self.device
         )
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        wait_pct, memory = shared.tolist()
+        waits, memories, step_times = ranks.T
+        slowest, fastest = int(np.argmax(step_times)), int(np.argmin(step_times))
+        wait_pct, memory = float(waits.max()), float(memories.max())
         eta = t.between(step, self.steps)[0] / max(tokens_per_s, 1e-9)  # at this interval's rate
         record = {
             "kind": "train",
@@ -284,6 +338,10 @@ class MetricsLog:
             "mfu": mfu(per_device, flops_per_token, t.peak_tflops),
             "peak_memory_gib": memory,
             "data_wait_pct": wait_pct,
+            "data_wait_slowest_rank": int(np.argmax(waits)),
+            "step_time_slowest_s": float(step_times[slowest]),
+            "step_time_fastest_s": float(step_times[fastest]),
+            "step_time_slowest_rank": slowest,
             "elapsed_s": now - self._started,
             "eta_s": eta,
             "skipped": skipped,
@@ -299,6 +357,7 @@ class MetricsLog:
             f"lr {lr:.3e} | {human(tokens_per_s)} tok/s ({human(per_device)}/dev) | "
             f"mfu {mfu_text} | mem {memory:.2f} GiB | data {wait_pct:.1f}% | "
             f"eta {clock(eta)}"
+            + (self._ranks_text(record) if t.world_size > 1 else "")
             + (f" | batch {record['global_batch_size']}" if step < t.plan.full_from else "")
             + self._moe_text(record)
             + (" | skipped" if skipped else "")
@@ -311,6 +370,14 @@ class MetricsLog:
         self.write({"kind": "validation", "step": step, "val_loss": val_loss, "val_ppl": ppl})
         self._scalars(step, {"val_loss": val_loss, "val_ppl": ppl})
         self.say(f"validation at step {step} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
+
+    @staticmethod
+    def _ranks_text(record: dict[str, Any]) -> str:
+        """The log line's straggler part: the fastest and slowest rank's step time."""
+        return (
+            f" | ranks {record['step_time_fastest_s']:.2f}-{record['step_time_slowest_s']:.2f}"
+            f" s/step, slowest {record['step_time_slowest_rank']}"
+        )
 
     @staticmethod
     def _moe_text(record: dict[str, Any]) -> str:
