@@ -14,11 +14,13 @@ down (the next call starts a new one); `fresh=True` runs on new processes and cl
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing
 import multiprocessing.util  # registers the exit handler that waits on children (below)
 import os
 import queue
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -86,16 +88,19 @@ def _next(tasks: Any, parent: int) -> Any:
     return None
 
 
-def _worker(tasks: Any, results: Any) -> None:
+def _worker(tasks: Any, results: Any, stacks: str) -> None:
     """One warm rank: run each task `(fn, rank, world, store, args)` in a process group of
-    its own, report it, and put the process back as it was."""
+    its own, report it, and put the process back as it was. SIGUSR1 writes every thread's
+    stack to `stacks` (what a call that timed out reports)."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    dump = open(stacks, "w")  # noqa: SIM115 (the process's own, to its end)
     import torch
     import torch.distributed as dist
     import torch.distributed.tensor  # the import a warm rank exists to pay once
 
     torch.set_num_threads(1)
     fresh = _Fresh()
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     parent = os.getppid()
     while (task := _next(tasks, parent)) is not None:
         fn, rank, world, store, args = task
@@ -115,6 +120,8 @@ def _worker(tasks: Any, results: Any) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
             fresh.restore()
+            faulthandler.unregister(signal.SIGUSR1)  # restored to the default just above:
+            faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)  # install anew
         except BaseException:
             report = (rank, "error", traceback.format_exc())
         results.put(report)
@@ -127,11 +134,13 @@ class _Pool:
         self.context = multiprocessing.get_context("spawn")
         self.results = self.context.Queue()
         self.ranks: list[tuple[Any, Any]] = []  # (process, its task queue)
+        self.stacks = tempfile.mkdtemp(prefix="warm-ranks-")  # rank i's stack dumps: i.txt
 
     def _grow(self, world: int) -> None:
         while len(self.ranks) < world:
             tasks = self.context.Queue()
-            process = self.context.Process(target=_worker, args=(tasks, self.results))
+            stacks = os.path.join(self.stacks, f"{len(self.ranks)}.txt")
+            process = self.context.Process(target=_worker, args=(tasks, self.results, stacks))
             process.start()
             self.ranks.append((process, tasks))
 
@@ -159,6 +168,7 @@ class _Pool:
                     if dead or time.monotonic() > deadline:
                         errors += dead or [f"timed out after {timeout} s"]
                         errors.append(f"finished ranks: {sorted(out)}")
+                        errors += self._stacks(world, set(out))
                         break
                     continue
                 if status == "ok":
@@ -169,6 +179,22 @@ class _Pool:
         if errors:
             raise RuntimeError("\n".join(errors))
         return [out[rank] for rank in range(world)]
+
+    def _stacks(self, world: int, finished: set[int]) -> list[str]:
+        """The stacks of the unfinished live ranks (where a hang is), each thread's."""
+        waiting = [
+            rank
+            for rank, (process, _) in enumerate(self.ranks[:world])
+            if rank not in finished and process.is_alive()
+        ]
+        for rank in waiting:
+            os.kill(self.ranks[rank][0].pid, signal.SIGUSR1)
+        time.sleep(1)
+        reports = []
+        for rank in waiting:
+            with open(os.path.join(self.stacks, f"{rank}.txt")) as dump:
+                reports.append(f"rank {rank}'s stacks:\n{dump.read()[-6000:]}")
+        return reports
 
     def close(self, kill: bool = False) -> None:
         """Stop every rank: asked to, or with `kill` at once (a failed call's ranks may be
@@ -182,6 +208,7 @@ class _Pool:
                 process.kill()
                 process.join()
         self.ranks = []
+        shutil.rmtree(self.stacks, ignore_errors=True)
 
 
 _pool: _Pool | None = None

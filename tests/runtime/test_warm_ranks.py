@@ -75,6 +75,7 @@ def test_a_failing_or_hung_rank_fails_its_call_and_the_next_gets_new_ranks():
         run_ranks(_fail_on_one, 2)
     rebuilt = [s["pid"] for s in run_ranks(_state, 2)]
     assert not set(rebuilt) & set(pids)
-    with pytest.raises(RuntimeError, match="timed out after 3 s"):
+    with pytest.raises(RuntimeError, match="timed out after 3 s") as hung:
         run_ranks(_hang_on_zero, 2, timeout=3)
+    assert "rank 0's stacks:" in str(hung.value) and "_hang_on_zero" in str(hung.value)
     assert not set(s["pid"] for s in run_ranks(_state, 2)) & set(rebuilt)

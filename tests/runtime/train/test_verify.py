@@ -70,3 +70,25 @@ def test_the_shrunk_model_keeps_what_shards():
     assert s.dim == m.n_heads * 8 and s.n_layers == 2 and s.moe.expert_ffn_hidden == s.dim
     assert small.data.seq_length == 128 and small.model.max_seq_len >= 128
     assert small.train.mixed_precision == "fp32" and small.checkpoint.interval == 1
+
+
+def _verify_bounded(rank: int, world: int, run_dir: str) -> str:
+    from hp_runtime.train.errors import TrainError
+    from hp_runtime.train.launch import start
+    from hp_runtime.train.verify import verify
+
+    runtime = start("cpu", 1)
+    overrides = [*FAST, "data.type=dummy", "data.seq_length=32", f"train.run_dir={run_dir}"]
+    try:  # a twin that cannot start in 0.5 s (it imports torch): rank 0 waits no longer
+        verify(
+            None, [*overrides, "train.collective_timeout_s=0.5"], runtime, 1, stream=io.StringIO()
+        )
+    except TrainError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_verify_waits_for_its_one_process_twin_no_longer_than_the_collective_timeout(tmp_path):
+    (message,) = run_ranks(_verify_bounded, 1, str(tmp_path))
+    assert message.startswith("verify: the one-process run did not finish in 0.5 s"), message
+    assert list(tmp_path.iterdir()) == []  # its own runs removed, as on success

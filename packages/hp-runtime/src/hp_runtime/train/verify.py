@@ -189,7 +189,15 @@ def verify(
         verdict = [True]
         if runtime.is_main:
             assert reference is not None
-            if reference.wait() != 0:
+            limit = config.train.collective_timeout_s  # what the other ranks wait for rank 0
+            try:
+                code = reference.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise TrainError(
+                    f"verify: the one-process run did not finish in {limit:g} s "
+                    "(train.collective_timeout_s); rerun with a larger one"
+                ) from None
+            if code != 0:
                 with open(os.path.join(work, "one-process.log")) as log:
                     tail = log.read().strip().splitlines()[-1:] or ["no output"]
                 raise TrainError(f"verify: the one-process run failed: {tail[0]}")
