@@ -22,7 +22,6 @@ from tests.helpers.train import (
     hp_train_here,
     records,
     signal_tree,
-    torchrun,
     train_ranks,
 )
 
@@ -96,6 +95,12 @@ def _args(layout: str) -> list[str]:
     return [*MODEL, *LAYOUTS[layout][1], f"train.steps={STEPS}", "checkpoint.interval=4"]
 
 
+def _resume(nproc: int, args: list[str], run: Path) -> str:
+    """Rank 0's log of the run resumed in warm ranks through the library: what is under test
+    is the stop (a launcher's job killed or signalled); the resume is the library's own."""
+    return train_ranks(nproc, [*args, f"train.run_dir={run}"])[0]["log"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted runs by layout, made once for the tests that compare with them, in warm
@@ -121,9 +126,8 @@ def test_sigkill_then_resume_is_bit_identical(repo, tmp_path, reference, layout)
     process = _start([*args, f"train.run_dir={run}"], nproc, repo)
     _kill_when(process, lambda: _logged_steps(run) >= kill_at)
     assert STEPS > len(records(run)) >= kill_at
-    resumed = torchrun(nproc, *args, f"train.run_dir={run}", cwd=repo)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout
+    resumed = _resume(nproc, args, run)
+    assert "resumed from" in resumed
 
     # every step once, with the uninterrupted run's losses and grad norms, bit for bit
     assert _losses(run) == _losses(reference(layout))
@@ -143,9 +147,8 @@ def test_a_kill_during_an_async_save_leaves_it_out(repo, tmp_path, reference):
     assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == [
         "step-0000004"
     ]
-    resumed = torchrun(2, *args, f"train.run_dir={run}", cwd=repo)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout and "step-0000004" in resumed.stdout
+    resumed = _resume(2, args, run)
+    assert "resumed from" in resumed and "step-0000004" in resumed
     assert not partial.exists()
     assert _losses(run) == _losses(reference("fsdp2"))  # async saves change nothing
 
@@ -171,8 +174,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(repo, tmp_path, reference):
     stopped = records(run, "end")[-1]
     assert stopped["status"] == "stopped by SIGTERM"
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{stopped['step']:07d}"]
-    resumed = torchrun(2, *args, f"train.run_dir={run}", cwd=repo)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _resume(2, args, run)
     assert _losses(run) == _losses(reference("fsdp2"))
 
 
@@ -180,11 +182,11 @@ def test_sigterm_saves_and_exits_zero_then_resumes(repo, tmp_path, reference):
 def test_time_limit_stops_before_it_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     started = time.monotonic()
-    done = hp_train_here(*MODEL, "train.steps=100000", "train.time_limit=10",
+    done = hp_train_here(*MODEL, "train.steps=100000", "train.time_limit=5",
                          f"train.run_dir={run}")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "stopped by train.time_limit" in done.stdout
-    assert time.monotonic() - started < 10 + 8  # the set-up is outside the limit
+    assert time.monotonic() - started < 5 + 8  # the set-up is outside the limit
     step = records(run, "end")[-1]["step"]
     assert 0 < step < 100000 and (run / "checkpoints" / f"step-{step:07d}").is_dir()
 
