@@ -70,7 +70,7 @@ def _job(config: Any, body: Callable[[Any], T]) -> T:
 
     t = config.train
     try:
-        runtime = start(t.device, t.cpu_threads, t.collective_timeout_s)
+        runtime = start(t.device, t.cpu_threads, t.collective_timeout_s, t.cpu_keep_freed_memory)
     except TrainError as exc:
         _fail(str(exc), 1, int(os.environ.get("RANK", "0")))
     try:

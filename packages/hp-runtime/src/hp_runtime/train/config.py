@@ -121,6 +121,7 @@ class TrainConfig:
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     device: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_threads: int = 0  # torch threads per rank on CPU; 0: cores / ranks on the machine
+    cpu_keep_freed_memory: bool = True  # on CPU, malloc keeps freed memory (launch.py)
     spike_action: Literal["off", "skip", "stop"] = "off"
     spike_window: int = 100
     spike_sigma: float = 6.0

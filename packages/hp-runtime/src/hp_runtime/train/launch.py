@@ -40,8 +40,35 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def start(device: str, cpu_threads: int, timeout_s: float = 600.0) -> Runtime:
-    """Initialise the process group and pick the device (`auto`: CUDA if available)."""
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory a CPU step frees, for the next step to reuse.
+
+    By default it maps each large block (a step's logits, activations and gradients) afresh
+    and unmaps it when freed, and returns the top of the heap to the system, so every step
+    faults all those pages in again, zeroed: on the 2-core benchmark about a fifth of a
+    step's time (docs/benchmarks.md). With no mappings (M_MMAP_MAX 0) and no trimming, the
+    process keeps its peak instead and reuses it. torch's own CPU launcher
+    (`torch.backends.xeon.run_cpu`) gets the same by preloading jemalloc or tcmalloc. Values
+    do not change. False (nothing done) where the C library is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def start(
+    device: str, cpu_threads: int, timeout_s: float = 600.0, keep_memory: bool = True
+) -> Runtime:
+    """Initialise the process group and pick the device (`auto`: CUDA if available); on CPU
+    with `keep_memory` (`train.cpu_keep_freed_memory`), `keep_freed_memory`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,6 +83,8 @@ def start(device: str, cpu_threads: int, timeout_s: float = 600.0) -> Runtime:
         where, backend = torch.device("cuda", local_rank), "nccl"
     else:  # set, not assumed: ranks on one machine share its cores
         torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+        if keep_memory:
+            keep_freed_memory()
         where, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
