@@ -8,6 +8,11 @@ GPTDataset. Tokens/s are taken in steady state (after the warm-up steps) from hp
 metrics.jsonl and from the loop's own clock. The two alternate `--rounds` times and the medians
 are compared: on a shared 2-core machine single runs swing by about 5%.
 
+`--malloc` sets the C library's memory policy of each side: `shipped` (default) as each comes,
+hp-train keeping freed memory (`train.cpu_keep_freed_memory = true`) and the plain loop with
+glibc's default; `keep` both keeping it (the plain loop calls the same
+`launch.keep_freed_memory`): the loops alone, like for like; `system` both with glibc's default.
+
     uv run python tools/bench/bench_train.py [--steps 30] [--warmup 5] [--rounds 3]
 
 `--parts` times instead, on the same 2 ranks, model and batch, what hp-train's step does that
@@ -49,6 +54,10 @@ def plain_loop(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
+    if args.malloc == "keep":
+        from hp_runtime.train.launch import keep_freed_memory
+
+        keep_freed_memory()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -184,6 +193,7 @@ def run_hp(args: argparse.Namespace, run_dir: str) -> dict[str, float]:
         f"train.micro_batch_size={args.mbs}", "train.cpu_threads=1",
         f"train.run_dir={run_dir}", "optim.lr=3e-4", f"metrics.log_interval={args.warmup}",
         "metrics.plot=false", "metrics.tensorboard=false",
+        f"train.cpu_keep_freed_memory={str(args.malloc != 'system').lower()}",
     )  # fmt: skip
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
     steps = [r for r in map(json.loads, lines) if r.get("kind") == "train"]
@@ -205,6 +215,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--parts", action="store_true", help="time the step's parts instead")
+    parser.add_argument("--malloc", choices=["shipped", "keep", "system"], default="shipped")
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank-parts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
@@ -232,7 +243,8 @@ def main() -> None:
         )  # fmt: skip
         print(
             f"small model, 2 ranks x 1 thread (CPU, gloo), global batch {2 * args.mbs} x "
-            f"{args.seq} tokens, {args.steps} steps, steady state after {args.warmup}"
+            f"{args.seq} tokens, {args.steps} steps, steady state after {args.warmup}, "
+            f"malloc {args.malloc}"
         )
         results: dict[str, list[dict[str, float]]] = {"hp": [], "plain": []}
         ratios: list[float] = []  # each round's pair: a drift of the machine moves both
@@ -241,7 +253,7 @@ def main() -> None:
             done = torchrun(
                 __file__, "--plain", f"--steps={args.steps}", f"--warmup={args.warmup}",
                 f"--seq={args.seq}", f"--mbs={args.mbs}", f"--prefix={args.prefix}",
-                f"--cache={args.cache}",
+                f"--cache={args.cache}", f"--malloc={args.malloc}",
             )  # fmt: skip
             results["plain"].append(json.loads(done.stdout.strip().splitlines()[-1]))
             hp_s, plain_s = results["hp"][-1]["tokens_per_s"], results["plain"][-1]["tokens_per_s"]
