@@ -39,7 +39,8 @@ def _faults(mode: str) -> int:
 
 def test_freed_memory_is_reused_not_faulted_in_again():
     pages = 5 * (64 + 16 + 32) * 2**20 // 4096  # five steps' pages
-    assert _faults("system") >= 0.9 * pages  # the C library's default: each one afresh
+    # the C library's default maps most of them afresh (its moving threshold keeps some)
+    assert _faults("system") >= 0.5 * pages
     assert _faults("keep") < 0.05 * pages
 
 
