@@ -78,17 +78,23 @@ def _verify_bounded(rank: int, world: int, run_dir: str) -> str:
     from hp_runtime.train.verify import verify
 
     runtime = start("cpu", 1)
-    overrides = [*FAST, "data.type=dummy", "data.seq_length=32", f"train.run_dir={run_dir}"]
+    overrides = [
+        *FAST, "data.type=dummy", "data.seq_length=32", f"train.run_dir={run_dir}",
+        f"parallel.dp_shard={world}", f"train.global_batch_size={world}",
+    ]  # fmt: skip
     try:  # a twin that cannot start in 0.5 s (it imports torch): rank 0 waits no longer
         verify(
             None, [*overrides, "train.collective_timeout_s=0.5"], runtime, 1, stream=io.StringIO()
         )
     except TrainError as exc:
-        return str(exc)
+        return f"{exc} (everywhere: {exc.everywhere})"
     return "no error"
 
 
 def test_verify_waits_for_its_one_process_twin_no_longer_than_the_collective_timeout(tmp_path):
-    (message,) = run_ranks(_verify_bounded, 1, str(tmp_path))
+    # on 2 ranks: the peer gets rank 0's line (rank 0 alone prints it) rather than waiting
+    # in a broadcast that rank 0, gone to the closing barrier, never joins
+    message, peer = run_ranks(_verify_bounded, 2, str(tmp_path), timeout=60)
     assert message.startswith("verify: the one-process run did not finish in 0.5 s"), message
+    assert peer == message and message.endswith("(everywhere: True)")
     assert list(tmp_path.iterdir()) == []  # its own runs removed, as on success

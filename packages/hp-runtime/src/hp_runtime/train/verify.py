@@ -186,26 +186,23 @@ def verify(
     try:
         with open(os.devnull, "w") as quiet:
             train(layout_config, runtime, stream=quiet)
-        verdict = [True]
+        # [verdict, error]: rank 0's judgement reaches every rank, a failure too (a rank 0
+        # that raised alone would leave its peers in this broadcast while it waits in the
+        # barrier below)
+        outcome: list[Any] = [True, None]
         if runtime.is_main:
             assert reference is not None
-            limit = config.train.collective_timeout_s  # what the other ranks wait for rank 0
             try:
-                code = reference.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                raise TrainError(
-                    f"verify: the one-process run did not finish in {limit:g} s "
-                    "(train.collective_timeout_s); rerun with a larger one"
-                ) from None
-            if code != 0:
-                with open(os.path.join(work, "one-process.log")) as log:
-                    tail = log.read().strip().splitlines()[-1:] or ["no output"]
-                raise TrainError(f"verify: the one-process run failed: {tail[0]}")
-            differences = compare(f"{work}/layout", reference_dir, steps)
-            verdict = [report(differences, tolerance, config, stream)]
+                outcome[0] = _judge(reference, work, steps, tolerance, config, stream)
+            except TrainError as exc:
+                outcome[1] = str(exc)
         if runtime.world_size > 1:
-            dist.broadcast_object_list(verdict, src=0)
-        return bool(verdict[0])
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[1] is not None:
+            failure = TrainError(outcome[1])
+            failure.everywhere = True  # rank 0 alone reports it
+            raise failure
+        return bool(outcome[0])
     finally:
         if reference is not None and reference.poll() is None:
             reference.kill()
@@ -214,6 +211,32 @@ def verify(
             dist.barrier()
         if runtime.is_main and not keep:
             shutil.rmtree(work, ignore_errors=True)  # made by this run, under a fresh name
+
+
+def _judge(
+    reference: subprocess.Popen,
+    work: str,
+    steps: int,
+    tolerance: float,
+    config: Config,
+    stream: TextIO,
+) -> bool:
+    """Rank 0: wait for the one-process twin (no longer than its peers wait for rank 0),
+    compare and report; whether every difference is within `tolerance`."""
+    limit = config.train.collective_timeout_s
+    try:
+        code = reference.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise TrainError(
+            f"verify: the one-process run did not finish in {limit:g} s "
+            "(train.collective_timeout_s); rerun with a larger one"
+        ) from None
+    if code != 0:
+        with open(os.path.join(work, "one-process.log")) as log:
+            tail = log.read().strip().splitlines()[-1:] or ["no output"]
+        raise TrainError(f"verify: the one-process run failed: {tail[0]}")
+    differences = compare(f"{work}/layout", os.path.join(work, "one-process"), steps)
+    return report(differences, tolerance, config, stream)
 
 
 def report(
