@@ -5,6 +5,7 @@ source on rank 1 of 2)."""
 from __future__ import annotations
 
 import io
+import re
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class _Slow:
         return len(self.loader)
 
 
-def _slowed(rank: int, world: int, overrides: list[str], where: str) -> None:
+def _slowed(rank: int, world: int, overrides: list[str], where: str) -> str:
     from hp_runtime.train import load_config
     from hp_runtime.train.launch import start
     from hp_runtime.train.loop import Loop
@@ -40,32 +41,43 @@ def _slowed(rank: int, world: int, overrides: list[str], where: str) -> None:
     config = load_config(None, overrides)
     runtime = start(config.train.device, config.train.cpu_threads)
     started = time.perf_counter()
-    run = setup(config, runtime, io.StringIO(), started)
+    log = io.StringIO()
+    run = setup(config, runtime, log, started)
     if rank == 1 and where == "optimizer":
         step = run.state.optimizer.step
         run.state.optimizer.step = lambda *a, **k: (time.sleep(DELAY), step(*a, **k))[1]
     if rank == 1 and where == "data":
         run.loader.loader = _Slow(run.loader.loader, DELAY)
     Loop(config, runtime, run, started).train()
+    return log.getvalue()
 
 
-def _run(tmp_path: Path, world: int, where: str, *extra: str) -> list[dict]:
+def _run(tmp_path: Path, world: int, where: str, *extra: str) -> tuple[list[dict], str]:
+    """The train records and rank 0's log."""
     run = tmp_path / where
     overrides = [
         *FAST, "data.type=dummy", "data.seq_length=16", "train.micro_batch_size=1",
         f"train.global_batch_size={world}", "train.steps=4", f"parallel.dp_shard={world}",
         f"train.run_dir={run}", *extra,
     ]  # fmt: skip
-    run_ranks(_slowed, world, overrides, where)
-    return records(run)
+    logs = run_ranks(_slowed, world, overrides, where)
+    return records(run), logs[0]
 
 
 @pytest.mark.parametrize("where", ["optimizer", "data"])
 def test_the_slowed_rank_is_named_at_every_logged_step(tmp_path, where):
-    logged = _run(tmp_path, 2, where, "metrics.log_interval=2")
+    logged, log = _run(tmp_path, 2, where, "metrics.log_interval=2")
     assert [r["step"] for r in logged] == [2, 4]
-    for record in logged:
+    lines = [line for line in log.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2
+    for record, line in zip(logged, lines, strict=True):
         assert record["step_time_fastest_s"] <= record["step_time_slowest_s"]
+        # the line's part, as docs/training.md shows it: "| ranks 0.41-0.58 s/step, slowest 3"
+        shown = re.search(r"\| ranks (\d+\.\d\d)-(\d+\.\d\d) s/step, slowest (\d+)( \||$)", line)
+        assert shown is not None, line
+        assert float(shown[1]) == round(record["step_time_fastest_s"], 2)
+        assert float(shown[2]) == round(record["step_time_slowest_s"], 2)
+        assert int(shown[3]) == record["step_time_slowest_rank"]
         if where == "data":
             # its own data wait names it: the rank that waited for data, not the peer that
             # waited for it in a collective (the background prefetch hides a part of it)
@@ -80,7 +92,8 @@ def test_the_slowed_rank_is_named_at_every_logged_step(tmp_path, where):
 
 
 def test_one_process_is_its_own_fastest_and_slowest(tmp_path):
-    (record,) = _run(tmp_path, 1, "none", "metrics.log_interval=4")
+    (record,), log = _run(tmp_path, 1, "none", "metrics.log_interval=4")
+    assert "| ranks" not in log  # one rank: nothing to compare
     assert record["step_time_slowest_rank"] == 0 and record["data_wait_slowest_rank"] == 0
     assert record["step_time_fastest_s"] == record["step_time_slowest_s"] > 0
     # four steps' own times fit in the interval the throughput was measured over
