@@ -12,22 +12,27 @@ from tests.helpers.train import FAST
 
 FAULTS = """
 import resource, sys, torch
-from hp_runtime.train.launch import start
-if sys.argv[1] == "keep":
-    start("cpu", 1)
-else:
-    start("cpu", 1, keep_memory=False)
+from hp_runtime.train import load_config
+from hp_runtime.train.cli import _job
+keep = "true" if sys.argv[1] == "keep" else "false"
+config = load_config(None, [  # through the key, as hp-train starts a job
+    "data.type=dummy", "data.seq_length=16", "train.steps=1", "train.device=cpu",
+    "train.cpu_threads=1",
+    f"train.cpu_keep_freed_memory={keep}",
+])
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a step's large tensors (activations, logits): made, written, then freed
     alive = [torch.empty(size * 2**20 // 4).fill_(1.0) for size in (64, 16, 32)]
     del alive
-for _ in range(8):  # the heap settles into the steps' pattern
-    step()
-before = faults()
-for _ in range(5):
-    step()
-print(faults() - before)
+def body(runtime):
+    for _ in range(8):  # the heap settles into the steps' pattern
+        step()
+    before = faults()
+    for _ in range(5):
+        step()
+    return faults() - before
+print(_job(config, body))
 """
 
 
