@@ -193,7 +193,9 @@ def verify(
         if runtime.is_main:
             assert reference is not None
             try:
-                outcome[0] = _judge(reference, work, steps, tolerance, config, stream)
+                outcome[0] = _judge(
+                    reference, work, reference_dir, steps, tolerance, config, stream
+                )
             except TrainError as exc:
                 outcome[1] = str(exc)
         if runtime.world_size > 1:
@@ -216,6 +218,7 @@ def verify(
 def _judge(
     reference: subprocess.Popen,
     work: str,
+    reference_dir: str,
     steps: int,
     tolerance: float,
     config: Config,
@@ -235,7 +238,7 @@ def _judge(
         with open(os.path.join(work, "one-process.log")) as log:
             tail = log.read().strip().splitlines()[-1:] or ["no output"]
         raise TrainError(f"verify: the one-process run failed: {tail[0]}")
-    differences = compare(f"{work}/layout", os.path.join(work, "one-process"), steps)
+    differences = compare(f"{work}/layout", reference_dir, steps)
     return report(differences, tolerance, config, stream)
 
 
