@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
+import glob
 import multiprocessing
 import multiprocessing.util  # registers the exit handler that waits on children (below)
 import os
@@ -77,6 +79,27 @@ class _Fresh:
             torch._dynamo.reset()
 
 
+# A destroyed gloo group's transport thread lives while anything still references the group,
+# and it wakes every 10 ms. Midway through one run of the suite, a warm rank held 268 such
+# threads and the suite's processes held 838 in all; gloo's loop threads took 10-19% of the
+# machine's perf samples. After each body a rank collects its garbage (the groups in cycles),
+# and a rank still holding more than this many threads retires after reporting; the pool then
+# starts a fresh process in its place.
+_LEAKED_LOOPS = 12
+
+
+def _transport_loops() -> int:
+    """This process's gloo transport threads."""
+    count = 0
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/comm"):
+        try:
+            with open(path) as comm:
+                count += comm.read().strip() == "gloo_tcp_loop"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
+
+
 def _next(tasks: Any, parent: int) -> Any:
     """The next task; None to stop, also once the parent is gone (a killed test run leaves
     no rank behind)."""
@@ -90,8 +113,9 @@ def _next(tasks: Any, parent: int) -> Any:
 
 def _worker(tasks: Any, results: Any, stacks: str) -> None:
     """One warm rank: run each task `(fn, rank, world, store, args)` in a process group of
-    its own, report it, and put the process back as it was. SIGUSR1 writes every thread's
-    stack to `stacks` (what a call that timed out reports)."""
+    its own, report it (with whether the rank retires: `_LEAKED_LOOPS`), and put the process
+    back as it was. SIGUSR1 writes every thread's stack to `stacks` (what a call that timed out
+    reports)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     dump = open(stacks, "w")  # noqa: SIM115 (the process's own, to its end)
     import torch
@@ -119,12 +143,16 @@ def _worker(tasks: Any, results: Any, stacks: str) -> None:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            gc.collect()  # the groups a body left in reference cycles, with their threads
             fresh.restore()
             faulthandler.unregister(signal.SIGUSR1)  # restored to the default just above:
             faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)  # install anew
         except BaseException:
             report = (rank, "error", traceback.format_exc())
-        results.put(report)
+        retire = _transport_loops() > _LEAKED_LOOPS
+        results.put((*report, retire))
+        if retire:
+            return
 
 
 class _Pool:
@@ -136,19 +164,32 @@ class _Pool:
         self.ranks: list[tuple[Any, Any]] = []  # (process, its task queue)
         self.stacks = tempfile.mkdtemp(prefix="warm-ranks-")  # rank i's stack dumps: i.txt
 
+    def _start(self, rank: int) -> tuple[Any, Any]:
+        tasks = self.context.Queue()
+        stacks = os.path.join(self.stacks, f"{rank}.txt")
+        process = self.context.Process(target=_worker, args=(tasks, self.results, stacks))
+        process.start()
+        return process, tasks
+
     def _grow(self, world: int) -> None:
         while len(self.ranks) < world:
-            tasks = self.context.Queue()
-            stacks = os.path.join(self.stacks, f"{len(self.ranks)}.txt")
-            process = self.context.Process(target=_worker, args=(tasks, self.results, stacks))
-            process.start()
-            self.ranks.append((process, tasks))
+            self.ranks.append(self._start(len(self.ranks)))
+
+    def _replace(self, rank: int) -> None:
+        """A fresh process for a rank that retired after reporting."""
+        process, _ = self.ranks[rank]
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self.ranks[rank] = self._start(rank)
 
     def run(self, fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> list:
         """Each rank's return value; RuntimeError with every rank's report if any failed."""
         self._grow(world)
         out: dict[int, Any] = {}
         errors: list[str] = []
+        retired: list[int] = []
         with tempfile.TemporaryDirectory() as directory:
             store = os.path.join(directory, "store")
             for rank, (_, tasks) in enumerate(self.ranks[:world]):
@@ -158,12 +199,12 @@ class _Pool:
                 # One failing rank makes its peers fail too (connection reset): collect every
                 # report, so the root cause is in the message, not just the first to arrive.
                 try:
-                    rank, status, value = self.results.get(timeout=1)
+                    rank, status, value, retire = self.results.get(timeout=1)
                 except queue.Empty:
                     dead = [
                         f"rank {rank} died (exit code {process.exitcode})"
                         for rank, (process, _) in enumerate(self.ranks[:world])
-                        if not process.is_alive()
+                        if not process.is_alive() and rank not in retired
                     ]
                     if dead or time.monotonic() > deadline:
                         errors += dead or [f"timed out after {timeout} s"]
@@ -171,6 +212,8 @@ class _Pool:
                         errors += self._stacks(world, set(out))
                         break
                     continue
+                if retire:
+                    retired.append(rank)
                 if status == "ok":
                     out[rank] = value
                 else:
@@ -178,6 +221,8 @@ class _Pool:
                     deadline = min(deadline, time.monotonic() + 20)
         if errors:
             raise RuntimeError("\n".join(errors))
+        for rank in retired:
+            self._replace(rank)
         return [out[rank] for rank in range(world)]
 
     def _stacks(self, world: int, finished: set[int]) -> list[str]:

@@ -79,3 +79,24 @@ def test_a_failing_or_hung_rank_fails_its_call_and_the_next_gets_new_ranks():
         run_ranks(_hang_on_zero, 2, timeout=3)
     assert "rank 0's stacks:" in str(hung.value) and "_hang_on_zero" in str(hung.value)
     assert not set(s["pid"] for s in run_ranks(_state, 2)) & set(rebuilt)
+
+
+_KEPT: list = []
+
+
+def _keep_groups(rank: int, world: int) -> int:
+    """Hold more gloo groups than a warm rank may keep (each with its transport thread)."""
+    import torch.distributed as dist
+
+    from tests.helpers.distributed import _LEAKED_LOOPS
+
+    _KEPT.extend(dist.new_group(backend="gloo") for _ in range(_LEAKED_LOOPS + 1))
+    return os.getpid()
+
+
+def test_a_rank_left_holding_groups_is_replaced_by_a_fresh_one():
+    held = run_ranks(_keep_groups, 2)
+    after = run_ranks(_state, 2)
+    assert not set(s["pid"] for s in after) & set(held)  # retired, not reused
+    assert [s["groups"] for s in after] == [1, 1]
+    assert [s["pid"] for s in run_ranks(_state, 2)] == [s["pid"] for s in after]  # warm again
