@@ -5,7 +5,9 @@ it computes. The pool grows to the largest world asked for; a call on N ranks us
 processes, each joining a fresh process group (a new file store) that is destroyed afterwards,
 so no group or device mesh outlives its body. Between bodies a process is put back as a fresh
 one would start: environment, working directory, signal handlers, thread count, warning
-filters and the torch, numpy and `random` generators as they were when it started.
+filters and the torch, numpy and `random` generators as they were when it started. A rank
+still holding a destroyed group's gloo threads after its body (`_LEAKED_LOOPS`) is replaced
+by a fresh process.
 
 A rank that raises, hangs or dies fails its test with every rank's report and tears the pool
 down (the next call starts a new one); `fresh=True` runs on new processes and closes them.
@@ -100,6 +102,14 @@ def _transport_loops() -> int:
     return count
 
 
+def _end(process: Any, timeout: float) -> None:
+    """Wait up to `timeout` seconds for `process` to exit, then kill it."""
+    process.join(timeout=timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
 def _next(tasks: Any, parent: int) -> Any:
     """The next task; None to stop, also once the parent is gone (a killed test run leaves
     no rank behind)."""
@@ -177,11 +187,7 @@ class _Pool:
 
     def _replace(self, rank: int) -> None:
         """A fresh process for a rank that retired after reporting."""
-        process, _ = self.ranks[rank]
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        _end(self.ranks[rank][0], timeout=30)
         self.ranks[rank] = self._start(rank)
 
     def run(self, fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> list:
@@ -248,10 +254,7 @@ class _Pool:
             if process.is_alive() and not kill:
                 tasks.put(None)
         for process, _ in self.ranks:
-            process.join(timeout=0 if kill else 5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            _end(process, timeout=0 if kill else 5)
         self.ranks = []
         shutil.rmtree(self.stacks, ignore_errors=True)
 
