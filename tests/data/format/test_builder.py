@@ -164,4 +164,4 @@ def test_creates_the_output_directory(tmp_path):
     with IndexedDatasetBuilder(tmp_path / "new" / "dir" / "ds", np.uint16) as builder:
         builder.add_item([1])
     assert IndexedDataset(tmp_path / "new" / "dir" / "ds")[0].tolist() == [1]
-    assert sorted(os.listdir(tmp_path / "new" / "dir")) == ["ds.bin", "ds.idx"]
+    assert sorted(os.listdir(tmp_path / "new" / "dir")) == ["ds.bin", "ds.hp.json", "ds.idx"]

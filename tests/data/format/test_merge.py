@@ -52,7 +52,8 @@ def test_mixed_dtypes_are_refused_before_writing(tmp_path):
     b = write_with_hp(str(tmp_path / "b"), random_corpus(2, np.int32))
     with pytest.raises(IndexedDatasetError, match=r"different dtypes \(.*a.idx is uint16, .*int32"):
         merge_datasets(str(tmp_path / "out"), [a, b])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx", "b.bin", "b.idx"]
+    inputs = ["a.bin", "a.hp.json", "a.idx", "b.bin", "b.hp.json", "b.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == inputs
 
 
 def test_output_may_not_be_an_input(tmp_path):

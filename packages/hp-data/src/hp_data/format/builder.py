@@ -14,9 +14,11 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from hp_data.errors import IndexedDatasetError
+from hp_data.format.blocks import KEY, hash_file
 from hp_data.format.commit import commit
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, check_token_range
 from hp_data.format.header import drop_pages, pack_header, prefix_of
+from hp_data.format.metadata import SCHEMA
 from hp_data.format.reader import IndexedDataset
 from hp_data.redact import redact_data
 
@@ -156,8 +158,9 @@ class IndexedDatasetBuilder:
     dataset. Used as a context manager it finalizes on success and cleans up on an exception.
     Token ids outside `dtype`'s range raise instead of wrapping around. The directories of
     killed builders of the same prefix are removed when the next one starts. `metadata`
-    (JSON-able, `format/metadata.py`) is committed with the two files as `PREFIX.hp.json`;
-    without it an old `PREFIX.hp.json` goes, as it would describe other tokens. `sources`
+    (JSON-able, `format/metadata.py`) is committed with the two files as `PREFIX.hp.json`,
+    with the `.bin`'s block hashes (`format/blocks.py`) added, metadata or not (an old
+    `PREFIX.hp.json` is replaced: it would describe other tokens). `sources`
     (a `provenance.Provenance`, set before finalizing) becomes `PREFIX.hp.sources` alike.
     """
 
@@ -401,9 +404,9 @@ class IndexedDatasetBuilder:
         finalize_together([self])
         return self.prefix
 
-    def _prepare(self) -> tuple[str, str, str, str | None, str | None]:
+    def _prepare(self) -> tuple[str, str, str, str, str | None]:
         """Write the index (and metadata, provenance) beside the data: (prefix, tmp .bin,
-        tmp .idx, tmp .hp.json or None, tmp .hp.sources or None), ready to commit."""
+        tmp .idx, tmp .hp.json, tmp .hp.sources or None), ready to commit."""
         self._check_open()
         if self._documents.last != self._lengths.count:
             self._documents.append(self._lengths.count)
@@ -415,15 +418,15 @@ class IndexedDatasetBuilder:
             self._write_index(index)
             index.flush()
             os.fsync(index.fileno())
-        tmp_metadata = None
-        if self.metadata is not None:
-            tmp_metadata = os.path.join(self._tmp, "metadata.json")
-            with open(tmp_metadata, "w", encoding="utf-8") as stream:
-                # No credential is ever stored: a tokenizer named by URL is kept redacted.
-                json.dump(redact_data(self.metadata), stream, indent=1, sort_keys=True)
-                stream.write("\n")
-                stream.flush()
-                os.fsync(stream.fileno())
+        # Every .bin hp writes carries its block hashes (format/blocks.py), metadata or not.
+        metadata = {"schema": SCHEMA, **(self.metadata or {}), KEY: hash_file(self._bin.name)}
+        tmp_metadata = os.path.join(self._tmp, "metadata.json")
+        with open(tmp_metadata, "w", encoding="utf-8") as stream:
+            # No credential is ever stored: a tokenizer named by URL is kept redacted.
+            json.dump(redact_data(metadata), stream, indent=1, sort_keys=True)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
         tmp_sources = None
         if self.sources is not None:
             tmp_sources = os.path.join(self._tmp, "sources")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hp_data.errors import IndexedDatasetError
+from hp_data.format.blocks import record_problems
 from hp_data.format.header import bin_path, idx_path, map_index_arrays, read_layout
 from hp_data.format.metadata import read_metadata
 
@@ -140,7 +141,8 @@ def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
         )
     )
     try:
-        read_metadata(prefix)
+        metadata = read_metadata(prefix)
     except IndexedDatasetError as exc:
-        problems.append(str(exc))
-    return problems
+        return [*problems, str(exc)]
+    # The record is read only of a .bin that is sound so far: one of the wrong size is named.
+    return problems or record_problems(prefix, metadata, data)
