@@ -38,6 +38,8 @@ class Faults:
     stall_all: bool = False  # every request, HEAD too
     truncate_on: set[int] = field(default_factory=set)  # half the body, then close
     trickle_on: set[int] = field(default_factory=set)  # the body a byte every 0.1 s
+    # The next N GETs of /NAME have their body's middle byte inverted on the way.
+    flip: dict[str, int] = field(default_factory=dict)
     status_on: dict[int, int] = field(default_factory=dict)  # answer this status instead
     down_from: int | None = None  # from this GET on, the server is gone (connections refused)
     # Called with (GET number or 0 for HEAD, method, path) before each answer: change files.
@@ -89,6 +91,9 @@ class _Handler(BaseHTTPRequestHandler):
                 server.gets += 1
                 number = server.gets
             server.requests.append((self.command, self.path, self.headers.get("Range", "")))
+            flip = body and faults.flip.get(self.path, 0) > 0
+            if flip:
+                faults.flip[self.path] -= 1
         if faults.down_from is not None and number >= faults.down_from:
             server.go_down()
         if server.down:
@@ -101,7 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
         if number in faults.status_on:
             return self._empty(faults.status_on[number])
         if server.upstream is not None:
-            return self._relay(body, number in faults.truncate_on)
+            return self._relay(body, number in faults.truncate_on, flip)
         path = server.root / self.path.split("?", 1)[0].lstrip("/")
         if path.is_dir():
             names = sorted(os.listdir(path))
@@ -132,9 +137,10 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
                 data, status = data[start:end], 206
         truncate = number in faults.truncate_on
+        data = _flipped(data) if flip else data
         self._send(status, data, headers, body, truncate, number in faults.trickle_on)
 
-    def _relay(self, body: bool, truncate: bool) -> None:
+    def _relay(self, body: bool, truncate: bool, flip: bool = False) -> None:
         connection = http.client.HTTPConnection(*self.server.upstream, timeout=30)
         try:
             connection.request(self.command, self.path, headers=dict(self.headers))
@@ -146,7 +152,7 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k: v for k, v in answer.getheaders() if k.lower() not in skip}
         if not body:  # a HEAD: the object's length, not the empty body's
             headers["Content-Length"] = answer.getheader("Content-Length", "0")
-        self._send(answer.status, data, headers, body, truncate)
+        self._send(answer.status, _flipped(data) if flip else data, headers, body, truncate)
 
     def _empty(self, status: int, headers: dict[str, str] | None = None) -> None:
         self._send(status, b"", headers or {}, True)
@@ -176,6 +182,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data[: len(data) // 2] if truncate else data)
         if truncate:
             self.close_connection = True
+
+
+def _flipped(data: bytes) -> bytes:
+    """`data` with its middle byte inverted: damage on the way that keeps the length."""
+    if not data:
+        return data
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 0xFF
+    return bytes(damaged)
 
 
 @contextmanager

@@ -12,6 +12,12 @@ each chunk fetched when a sample first needs it; read-ahead: the same with `Read
 the next `--ahead` samples as hp-train's Loader does; warm: a filled cache. moto is a Python
 server: its throughput, not a real store's, bounds the cold figures; the amplification does
 not depend on it.
+
+Then what checking every chunk's bytes costs (issue 40), side by side in the same run, in
+seconds a GiB: the writer's block hashes (`format/blocks.py`) against reading the `.bin`
+alone; and the first map of every chunk of the warm cache by a process that did not download
+it (each chunk's bytes hashed: against the record where `--chunk-mb` is a multiple of 4, else
+against the chunk's own hash) against the same maps with the check skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +56,52 @@ def read(dataset, count: int, ahead: int = 0) -> float:
     if helper is not None:
         helper.close()
     return seconds
+
+
+def _best(run, times: int = 3) -> float:
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def check_costs(bin_file: str, open_remote) -> list[tuple[str, float, float]]:
+    """(what, seconds a GiB with the check, without): the writer's hashes against a plain read
+    of the `.bin`; a fresh process's first map of every cached chunk, checked and not."""
+    from hp_data.format.blocks import file_digests
+
+    gib = os.path.getsize(bin_file) / 2**30
+
+    def read_only() -> None:
+        buffer = bytearray(16 << 20)
+        with open(bin_file, "rb", buffering=0) as stream:
+            while stream.readinto(buffer):
+                pass
+
+    hashed, plain = _best(lambda: file_digests(bin_file)), _best(read_only)
+    rows = [("record at write (hash the .bin)", hashed / gib, plain / gib)]
+
+    def map_all(skip: bool) -> float:
+        corpus = open_remote().dataset.remote  # a new corpus object: nothing checked yet
+        chunks = range(-(-corpus.bin_size // corpus.chunk_bytes))
+        if skip:  # what mapping cost before chunks were checked
+            corpus._checked.update(_inode(corpus.chunk_path(c)) for c in chunks)
+        start = time.perf_counter()
+        for chunk in chunks:
+            corpus.read(chunk * corpus.chunk_bytes, 1)
+        return time.perf_counter() - start
+
+    checked = min(map_all(False) for _ in range(3))
+    unchecked = min(map_all(True) for _ in range(3))
+    rows.append(("first map of each cached chunk", checked / gib, unchecked / gib))
+    return rows
+
+
+def _inode(path: str) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
 
 
 def chunk_bytes(cache: Path) -> int:
@@ -101,6 +153,9 @@ def main() -> None:
         rows.append((name, read(remote, count, ahead), chunk_bytes(cache)))
     warm = GPTDataset("s3://bench/corpus", "train", count, config(str(cache)))
     rows.append(("s3 warm", min(read(warm, count) for _ in range(2)), 0))
+    costs = check_costs(
+        prefix + ".bin", lambda: GPTDataset("s3://bench/corpus", "train", count, config(str(cache)))
+    )
     server.stop()
 
     used = count * (args.seq_length + 1) * 2
@@ -114,6 +169,9 @@ def main() -> None:
         moved = "" if downloaded is None else f"{downloaded / 2**20:.1f}"
         ratio = "" if downloaded is None else f"{downloaded / used:.2f}"
         print(f"{name:24} {rate:10.0f} {rate / base:9.3f} {moved:>15} {ratio:>14}")
+    print(f"\nchecking every byte (s/GiB) {'checked':>8} {'unchecked':>10} {'cost':>8}")
+    for name, checked, unchecked in costs:
+        print(f"{name:32} {checked:8.3f} {unchecked:10.3f} {checked - unchecked:8.3f}")
 
 
 if __name__ == "__main__":

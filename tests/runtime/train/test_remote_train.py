@@ -106,6 +106,25 @@ def test_two_fsdp_ranks_over_s3_give_the_local_run_losses(tmp_path, corpora, on_
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
+def test_bytes_flipped_in_the_cached_chunks_never_reach_a_step(tmp_path, corpora):
+    """Issue 40: a second run over the first's node cache, every token of every cached chunk
+    damaged in place (same size): its losses are the first's, bit for bit, so every step
+    received the written tokens (before chunks were checked, the damaged ones were trained on
+    and the losses differed)."""
+    _, bucket, endpoint = corpora
+    first = _s3_ranks(1, endpoint, _run(tmp_path, "first", f"s3://{bucket}/a"))[0]
+    chunks = sorted((tmp_path / "first" / "cache" / "remote").glob("*/chunks-*/*.chunk"))
+    assert len(chunks) > 3
+    for path in chunks:  # every token id's low bit (uint16, little-endian): ids stay < 1000
+        data = np.frombuffer(path.read_bytes(), np.uint8).copy()
+        data[: len(data) - 8 : 2] ^= 1  # the data, not the chunk's 8-byte trailer
+        path.write_bytes(data.tobytes())
+    shared = f"data.cache_dir={tmp_path / 'first' / 'cache'}"
+    second = _s3_ranks(1, endpoint, _run(tmp_path, "second", f"s3://{bucket}/a", shared))[0]
+    assert second["losses"] == first["losses"]
+    assert len(first["losses"]) == 3
+
+
 def test_the_vocabulary_check_reads_the_record_not_the_bin(tmp_path, corpora):
     _, bucket, endpoint = corpora
     with fault_server(upstream=endpoint) as server, s3_endpoint(server.url().rstrip("/")):

@@ -8,7 +8,8 @@ Layout, under `CACHE/remote/` (`CACHE`: the index cache directory)::
         source.json           the URL (credentials redacted) and the pins, for people
         dataset.idx           the .idx, fetched whole, once per node
         dataset.hp.json       the .hp.json, where the prefix has one
-        chunks-BYTES/NNNNNNNNNN.chunk   .bin bytes [N * BYTES, (N + 1) * BYTES), on demand
+        chunks-BYTES/NNNNNNNNNN.chunk   .bin bytes [N * BYTES, (N + 1) * BYTES), on demand,
+                                        then their xxh3-64 (8 bytes, little-endian)
 
 An object is pinned (`remote.Pin`: its size and ETag, version id or modification time) when
 the dataset opens; a changed object gets another KEY, so nothing of two versions is ever
@@ -16,33 +17,46 @@ mixed. Every download is one range of one pinned object (`remote.open_pinned`: s
 If-Match, other stores are asked for the pin again around the read), retried as every remote
 read is, checked to hold exactly the bytes the `.idx` says the `.bin` has there, written to a
 temporary name and renamed into place, under a file lock per chunk (striped): every rank and
-DataLoader worker of a machine shares one download of each chunk, and waits for another's for
-at most `WAIT_TIMEOUTS` request timeouts. A chunk file of the wrong size (a damaged cache) is
-fetched again. The chunk files together are kept under `cache_bytes` by deleting the least
-recently used ones: only chunk files, only inside `CACHE/remote/`.
+DataLoader worker of a machine shares one download of each chunk, and waits for another's as
+long as it makes progress (until `WAIT_TIMEOUTS` request timeouts pass without a byte).
+
+Every chunk is checked, never trained on unchecked. Where the `.hp.json` records the `.bin`'s
+block hashes (`format/blocks.py`, written by hp-data) and the chunk is whole blocks, its
+download is checked against them before it is renamed into place and again when a process
+maps a chunk it did not download itself; elsewhere (Megatron's files, chunks that are not
+whole blocks) a chunk's own hash, taken as it arrives, is checked when it is mapped (damage
+in the cache is caught, damage on the way is not). A damaged chunk is fetched once more; a
+download that still differs from the record stops the run in one line. The chunk files
+together are kept under `cache_bytes` by deleting the least recently used ones: only chunk
+files, only inside `CACHE/remote/`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import math
 import os
 import re
 import threading
+import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from hp_data.cache import cache_key, key_lock, resolve_cache_dir
 from hp_data.errors import HpDataError, IndexedDatasetError
+from hp_data.format.blocks import BLOCK_BYTES, BlockHasher, BlockRecord
 from hp_data.format.header import bin_path, idx_path, metadata_path
+from hp_data.format.metadata import read_metadata
 from hp_data.redact import redact, redact_data
 from hp_data.remote import (
     DEFAULT_TIMEOUT,
@@ -57,13 +71,15 @@ from hp_data.remote import (
 DEFAULT_CHUNK_MB = 64.0  # data.remote_chunk_mb
 DEFAULT_CACHE_GB = 100.0  # data.remote_cache_gb: a 50B-token uint16 corpus fits whole
 PAGE = 4096  # chunk sizes are whole pages: a token never straddles two chunks' alignment
-WAIT_TIMEOUTS = 10  # another process's download is waited for this many request timeouts
+WAIT_TIMEOUTS = 10  # another process's download is given up on after this many timeouts idle
+TRAILER = 8  # bytes after a chunk's data: their xxh3-64, little-endian
 _STRIPES = 64  # lock files per corpus: a bounded number, whatever the number of chunks
 # Chunk maps one process keeps open: at least 8, else 1 GiB of them. A map keeps an evicted
 # chunk's disk space until it is dropped, so this bounds what eviction can lag behind.
 _MAPS, _MAP_BYTES = 8, 1 << 30
 _COPY_BLOCK = 16 << 20  # bytes read at a time into a cache file
 _CHUNK_NAME = re.compile(r"\d{10}\.chunk")
+_PART_NAME = re.compile(r"(\d{10})\.chunk\.tmp-")  # a download under way
 _warned: set[str] = set()
 
 
@@ -155,6 +171,7 @@ class RemoteCorpus:
         self.directory = os.path.join(self.root(options), key)
         self._start()
         self._copy_small()
+        self.record  # noqa: B018 - a bad record is one line at open, not at the first read
 
     def _start(self) -> None:
         self.chunk_bytes = self.options.chunk_bytes
@@ -163,6 +180,7 @@ class RemoteCorpus:
         self.local_prefix = os.path.join(self.directory, "dataset")
         self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
+        self._checked: set[tuple[int, int]] = set()  # (device, inode) of chunk files known good
 
     @staticmethod
     def root(options: StoreOptions) -> str:
@@ -171,6 +189,14 @@ class RemoteCorpus:
     @property
     def bin_size(self) -> int:
         return self.pins["bin"].size  # type: ignore[union-attr]
+
+    @functools.cached_property
+    def record(self) -> BlockRecord | None:
+        """The `.bin`'s block hashes its `.hp.json` records (None: it has none)."""
+        if self.pins["metadata"] is None:
+            return None
+        metadata = read_metadata(self.local_prefix)
+        return BlockRecord.of(metadata, redact(self.metadata_url), self.bin_size)
 
     def _warn(self) -> None:
         pins = [(self.idx_url, self.pins["idx"]), (self.bin_url, self.pins["bin"])]
@@ -196,7 +222,9 @@ class RemoteCorpus:
         wanted = [(u, p, s) for u, p, s in wanted if p is not None]
         if all(_whole(self.local_prefix + s, p.size) for _, p, s in wanted):  # type: ignore[union-attr]
             return
-        with self._turn(os.path.join(self.directory, "copy"), self.idx_url, "the .idx"):
+        base = os.path.join(self.directory, "copy")
+        ours = re.compile(r"dataset\.(idx|hp\.json)\.tmp-").match
+        with self._turn(base, self.idx_url, "the .idx", lambda: _parts(self.directory, ours)):
             for url, pin, suffix in wanted:
                 if not _whole(self.local_prefix + suffix, pin.size):  # type: ignore[union-attr]
                     _download(url, pin, 0, pin.size, self.local_prefix + suffix)  # type: ignore[union-attr,arg-type]
@@ -206,17 +234,29 @@ class RemoteCorpus:
                 _write_atomic(source, json.dumps(redact_data(record), indent=2).encode())
 
     @contextlib.contextmanager
-    def _turn(self, base: str, url: str, what: str) -> Iterator[None]:
-        """`key_lock(base)`, waited for within the bound, else one line naming `url`."""
+    def _turn(
+        self, base: str, url: str, what: str, progress: Callable[[], object]
+    ) -> Iterator[None]:
+        """`key_lock(base)`, waited for while the holder's download makes `progress` (what it
+        returns changes): a slow download is waited for as long as it takes, one that writes
+        nothing for `wait_s` (the holder is stuck) ends the wait in one line naming `url`."""
+        seen, since = progress(), time.monotonic()
         with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(key_lock(base, self.options.wait_s))
-            except TimeoutError:
-                key = f"{self.options.key_prefix}remote_timeout_s"
-                raise IndexedDatasetError(
-                    f"{redact(url)}: waited {self.options.wait_s:g} s ({WAIT_TIMEOUTS} x {key}) "
-                    f"for another process's download of {what}; is one stuck?"
-                ) from None
+            while True:
+                try:
+                    stack.enter_context(key_lock(base, min(self.options.timeout_s, 1.0)))
+                    break
+                except TimeoutError:
+                    now = progress()
+                    if now != seen:
+                        seen, since = now, time.monotonic()
+                    elif time.monotonic() - since >= self.options.wait_s:
+                        key = f"{self.options.key_prefix}remote_timeout_s"
+                        raise IndexedDatasetError(
+                            f"{redact(url)}: another process's download of {what} wrote "
+                            f"nothing for {self.options.wait_s:g} s ({WAIT_TIMEOUTS} x {key}); "
+                            "is one stuck?"
+                        ) from None
             yield
 
     # -- chunks ------------------------------------------------------------------------------
@@ -236,29 +276,78 @@ class RemoteCorpus:
 
     def cached(self, chunk: int) -> bool:
         start, end = self._span(chunk)
-        return _whole(self.chunk_path(chunk), end - start)
+        return _whole(self.chunk_path(chunk), end - start + TRAILER)
 
-    def fetch(self, chunk: int) -> str:
+    def fetch(self, chunk: int, damaged: tuple[int, int] | None = None) -> str:
         """The path of chunk `chunk`, whole: from the cache, else downloaded (once per node:
-        another process's download is waited for, within the bound)."""
+        another process's download is waited for, within the bound). `damaged`: the (device,
+        inode) of a cached file found damaged, replaced unless another process already did."""
         path = self.chunk_path(chunk)
         start, end = self._span(chunk)
-        if _whole(path, end - start):
+        if _whole(path, end - start + TRAILER) and _inode(path) != damaged:
             return path
-        stripe = os.path.join(self.chunk_dir, f"stripe-{chunk % _STRIPES}")
-        with self._turn(stripe, self.bin_url, f"bytes {start}-{end}"):
-            if _whole(path, end - start):
+        stripe = chunk % _STRIPES
+        base = os.path.join(self.chunk_dir, f"stripe-{stripe}")
+
+        def ours(name: str) -> bool:  # a download of one of this stripe's chunks
+            match = _PART_NAME.match(name)
+            return match is not None and int(match[1]) % _STRIPES == stripe
+
+        progress = functools.partial(_parts, self.chunk_dir, ours)
+        with self._turn(base, self.bin_url, f"bytes {start}-{end}", progress):
+            if _whole(path, end - start + TRAILER) and _inode(path) != damaged:
                 return path  # another process's download
-            if os.path.exists(path):
-                warnings.warn(
-                    f"{path}: {os.path.getsize(path):,} of {end - start:,} bytes "
-                    f"(a damaged cache); fetching it again",
-                    stacklevel=2,
-                )
+            found = _inode(path)
+            if found is not None:
+                # Found damaged by the caller, who said so; or an older hp-data's chunk, which
+                # had no trailer; or of a wrong size: a damaged cache.
+                if found != damaged and os.path.getsize(path) != end - start:
+                    warnings.warn(
+                        f"{path}: not the {end - start + TRAILER:,} bytes written (a damaged "
+                        "cache); fetching it again",
+                        stacklevel=2,
+                    )
                 os.remove(path)
-            _download(self.bin_url, self.pins["bin"], start, end - start, path)  # type: ignore[arg-type]
+            self._download_chunk(chunk, path)
+            self._checked.add(_inode(path))  # type: ignore[arg-type]
         evict(self.root(self.options), self.options.cache_bytes, keep=path)
         return path
+
+    def _download_chunk(self, chunk: int, path: str) -> None:
+        """Chunk `chunk` into `path` with its trailer; where the record covers it, only once
+        its bytes agree with it: downloaded once more, then one line."""
+        start, end = self._span(chunk)
+        record = self.record if self._covered(chunk) else None
+        block = BLOCK_BYTES if record is None else record.block_bytes
+
+        def seal(hasher: BlockHasher) -> bytes | None:
+            if record is not None and record.first_bad(hasher.digests(), start) is not None:
+                return None
+            return hasher.whole().to_bytes(TRAILER, "little")
+
+        for _ in range(2):
+            pin = self.pins["bin"]
+            if _download(self.bin_url, pin, start, end - start, path, seal, block):  # type: ignore[arg-type]
+                return
+        raise IndexedDatasetError(
+            f"{redact(self.bin_url)}: chunk {chunk} (bytes {start}-{end}, cached at {path}) "
+            f"differs from the block hashes in {redact(self.metadata_url)} on two downloads: "
+            "the store's .bin is not the one hp-data wrote; upload the dataset's files again"
+        )
+
+    def _covered(self, chunk: int) -> bool:
+        """Whether the record (where there is one) covers chunk `chunk` whole."""
+        return self.record is not None and self.record.covers(*self._span(chunk), self.bin_size)
+
+    def _intact(self, chunk: int, view: np.ndarray) -> bool:
+        """Whether a mapped chunk file (data, then trailer) holds the bytes that were written:
+        against the record where it covers the chunk, else against the chunk's own trailer."""
+        data, trailer = view[:-TRAILER], int.from_bytes(view[-TRAILER:].tobytes(), "little")
+        if self._covered(chunk):
+            hasher = BlockHasher(self.record.block_bytes)  # type: ignore[union-attr]
+            hasher.update(data)
+            return self.record.first_bad(hasher.digests(), self._span(chunk)[0]) is None  # type: ignore[union-attr]
+        return xxhash.xxh3_64_intdigest(data) == trailer
 
     def _view(self, chunk: int) -> np.ndarray:
         """Chunk `chunk` mapped (a few stay mapped in each process, most recent last)."""
@@ -267,17 +356,30 @@ class RemoteCorpus:
             self._maps.move_to_end(chunk)
             return found
         start, end = self._span(chunk)
+        damaged = None
         for _ in range(3):  # evicted between its download and its opening: fetched again
-            path = self.fetch(chunk)
+            path = self.fetch(chunk, damaged)
             try:
                 with open(path, "rb") as stream:
-                    if os.fstat(stream.fileno()).st_size != end - start:
+                    stat = os.fstat(stream.fileno())
+                    if stat.st_size != end - start + TRAILER:
                         continue  # replaced under us by a damaged file: check it again
-                    view = np.memmap(stream, np.uint8, mode="r", shape=(end - start,))
-                os.utime(path)  # its use, for the least-recently-used eviction
-                break
+                    view = np.memmap(stream, np.uint8, mode="r", shape=(stat.st_size,))
             except FileNotFoundError:
                 continue
+            inode = (stat.st_dev, stat.st_ino)
+            if inode not in self._checked and not self._intact(chunk, view):
+                warnings.warn(
+                    f"{path}: chunk {chunk} of {redact(self.bin_url)} (bytes {start}-{end}) is "
+                    "not the bytes that were written (a damaged cache); fetching it again",
+                    stacklevel=3,
+                )
+                damaged = inode
+                continue
+            self._checked.add(inode)
+            os.utime(path)  # its use, for the least-recently-used eviction
+            view = view[: end - start]
+            break
         else:
             raise IndexedDatasetError(
                 f"{redact(self.bin_url)}: bytes {start}-{end} left the cache as they were read; "
@@ -327,6 +429,26 @@ def _whole(path: str, size: int) -> bool:
         return False
 
 
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _parts(directory: str, ours: Callable[[str], object]) -> list[tuple[str, int]]:
+    """The files in `directory` whose names `ours` accepts (temporary files of downloads under
+    way) and their sizes: what a waiter watches for progress."""
+    found = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            if ours(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    found.append((entry.name, entry.stat().st_size))
+    return sorted(found)
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as stream:
@@ -334,15 +456,26 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _download(url: str, pin: Pin, start: int, size: int, target: str) -> None:
+def _download(
+    url: str,
+    pin: Pin,
+    start: int,
+    size: int,
+    target: str,
+    seal: Callable[[BlockHasher], bytes | None] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> bool:
     """Bytes [start, start + size) of the pinned object at `url` into `target`, whole or not
-    at all (a temporary name renamed into place). Called under `target`'s lock, so another
-    temporary file of it is a killed process's half download: deleted (nothing else would,
-    and it is not counted in the cache bound)."""
+    at all (a temporary name renamed into place). With `seal`, the bytes are hashed (blocks
+    of `block_bytes`) as they arrive and `seal(hasher)` gives what to append after them, or
+    None: they are not what was written, nothing is renamed, and this returns False. Called
+    under `target`'s lock, so another temporary file of it is a killed process's half
+    download: deleted (nothing else would, and it is not counted in the cache bound)."""
     for stale in glob.glob(glob.escape(target) + ".tmp-*"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(stale)
     tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
+    hasher = BlockHasher(block_bytes) if seal is not None else None
     try:
         with open_pinned(url, pin, "a dataset file") as stream, open(tmp, "wb") as out:
             stream.seek(start)
@@ -355,8 +488,15 @@ def _download(url: str, pin: Pin, start: int, size: int, target: str) -> None:
                         f"{pin.size:,} bytes"
                     )
                 out.write(block)
+                if hasher is not None:
+                    hasher.update(block)
                 left -= len(block)
+            trailer = b"" if seal is None else seal(hasher)  # type: ignore[arg-type]
+            if trailer is None:
+                return False
+            out.write(trailer)
         os.replace(tmp, target)
+        return True
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
