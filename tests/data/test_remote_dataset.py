@@ -252,7 +252,7 @@ def test_bad_store_options_are_one_line(field, value, message):
 def test_read_ahead_fetches_what_the_next_samples_read_within_its_bound(tmp_path, local):
     import threading
 
-    from hp_data.object_store import ReadAhead
+    from hp_data.read_ahead import ReadAhead
 
     upload_memory("ahead", {"a": local["a"]})
     remote = GPTDataset("memory://ahead/a", "train", None, _config(tmp_path / "cache"))

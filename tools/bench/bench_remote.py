@@ -44,7 +44,7 @@ def write_corpus(prefix: str, tokens: int, seed: int = 0) -> None:
 
 def read(dataset, count: int, ahead: int = 0) -> float:
     """Seconds to read samples 0..count-1; `ahead`: hand ReadAhead the next `ahead` ids."""
-    from hp_data.object_store import ReadAhead
+    from hp_data.read_ahead import ReadAhead
 
     helper = ReadAhead(dataset) if ahead else None
     start = time.perf_counter()

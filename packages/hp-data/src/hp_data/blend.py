@@ -24,7 +24,8 @@ from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.gpt import GPTDataset, GPTDatasetConfig, epoch_samples
 from hp_data.index import BLENDING_DTYPES, SPLITS, build_blending_indices, parse_split
-from hp_data.object_store import distinct, exists, is_url
+from hp_data.object_store import exists, is_url
+from hp_data.read_ahead import distinct
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus
 

@@ -35,7 +35,8 @@ from hp_data.format.reader import IndexedDataset
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDataset, GPTDatasetConfig, corpus_fingerprint
 from hp_data.gpt import epoch_samples as split_epoch_samples
 from hp_data.index import BLENDING_DTYPES, build_blending_indices
-from hp_data.object_store import StoreOptions, distinct
+from hp_data.object_store import StoreOptions
+from hp_data.read_ahead import distinct
 from hp_data.redact import redact
 
 INT64_MAX = 2**63 - 1

@@ -26,8 +26,9 @@ from hp_data.blend import megatron_sample_counts, parse_blend
 from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
-from hp_data.object_store import ReadAhead, StoreOptions, exists, is_url
+from hp_data.object_store import StoreOptions, exists, is_url
 from hp_data.phases import PhasedDataset, build_phased, mix_report, plan_phases, resolve_starts
+from hp_data.read_ahead import ReadAhead
 from hp_data.registry import (
     build_dataset,
     dataset_identity,
