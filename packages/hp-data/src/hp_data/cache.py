@@ -34,8 +34,8 @@ def cache_key(description: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(canonical.encode())
 
 
-# The descriptors of the lock files this process has open (`key_lock`), and a guard that a
-# fork waits for. A forked child (a DataLoader worker) shares each with its parent: the lock
+# The descriptors of the lock files this process has open (`open_lock_file`), and a guard that
+# a fork waits for. A forked child (a DataLoader worker) shares each with its parent: the lock
 # would stay held by the child's copy, for the child's life, after the parent lets go, and no
 # process of the node could take it again. The child drops its copies at once.
 _held: set[int] = set()
@@ -47,7 +47,7 @@ def _drop_inherited() -> None:
     if _held:
         null = os.open(os.devnull, os.O_RDONLY)
         for fd in _held:  # the child's copy goes; the number stays open (on /dev/null), so
-            os.dup2(null, fd)  # the parent thread's file object, gone here, closes nothing else
+            os.dup2(null, fd)  # the parent's holder, copied here, closes nothing else
         os.close(null)
         _held.clear()
 
@@ -58,15 +58,32 @@ if hasattr(os, "register_at_fork"):
     )
 
 
+def open_lock_file(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    """A descriptor of `path` to flock, that a process forked while it is open does not keep
+    (above); closed by `close_lock_file` alone. Never truncates: a holder's note in the file
+    stays for whoever is refused."""
+    with _guard:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o666)
+        _held.add(fd)
+    return fd
+
+
+def close_lock_file(fd: int) -> None:
+    """Close a descriptor of `open_lock_file` (letting its lock go); nothing in a forked child,
+    whose copy is already gone and whose number may be another file's."""
+    with _guard:
+        if fd in _held:
+            _held.discard(fd)
+            os.close(fd)
+
+
 @contextmanager
 def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
     """Held while one key is built: builders of the same key, in any process, take turns,
     and the later ones find what the first committed. `timeout`: seconds to wait for the
     holder before `TimeoutError` (None: as long as it takes; a holder that dies lets go; a
     process forked meanwhile does not hold it)."""
-    with _guard:
-        lock = open(f"{base}.lock", "w")  # noqa: SIM115 (closed under the guard, below)
-        _held.add(lock.fileno())
+    lock = open_lock_file(f"{base}.lock")
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -79,9 +96,7 @@ def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
                 time.sleep(0.02)
         yield
     finally:
-        with _guard:
-            _held.discard(lock.fileno())
-            lock.close()
+        close_lock_file(lock)
 
 
 def _writable(directory: str) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from hp_data.format.commit import fsync_path
 
+from hp_runtime.train.dirlock import DirLock
 from hp_runtime.train.errors import TrainError
 
 MANIFEST = "hp-export.json"
@@ -74,8 +75,10 @@ def _manifest_files(directory: str) -> list[str] | None:
 
 
 class ExportTarget:
-    """DIR checked for an export: raises a one-line `TrainError` for anything that is not
-    absent, empty, or a previous export; `commit` then writes it."""
+    """DIR for an export, used as a context manager: entering it takes DIR's lock
+    (`dirlock`: `.DIR.export-lock` beside DIR, so that a second export into DIR meanwhile is
+    refused, naming the first) and checks DIR, with a one-line `TrainError` for anything that
+    is not absent, empty, or a previous export; `commit` then writes it, and leaving lets go."""
 
     def __init__(self, out: str, option: str = "--out") -> None:
         self.out = out
@@ -83,11 +86,35 @@ class ExportTarget:
         self.path = os.path.realpath(out)
         self.parent, self.name = os.path.split(self.path)
         self.old: list[str] | None = None  # the previous export's files, when DIR is one
+        self.lock: DirLock | None = None
         if not os.path.isdir(self.parent):
             what = "is not a directory" if os.path.exists(self.parent) else "does not exist"
             raise TrainError(f"{self.label}: {self.parent} {what}; create it first")
         if not os.access(self.parent, os.W_OK | os.X_OK):
             raise TrainError(f"{self.label}: cannot write in {self.parent} (permission denied)")
+
+    def __enter__(self) -> ExportTarget:
+        """DIR locked, then checked: what an export before this one left there is judged."""
+        self.lock = DirLock(os.path.join(self.parent, f".{self.name}.export-lock"))
+        holder = self.lock.take()
+        if holder is not None:
+            raise TrainError(
+                f"{self.label}: another hp-train export is writing it ({holder}); wait for it "
+                "to end, or give another directory"
+            )
+        try:
+            self._check()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def _check(self) -> None:
+        self.old = None
         if not os.path.lexists(self.path):
             return
         if not os.path.isdir(self.path):
@@ -120,6 +147,8 @@ class ExportTarget:
     def commit(self, write: Callable[[str], list[str]]) -> list[str]:
         """`write(directory)` fills a new directory and returns the names of its files; they
         take DIR's place as described above."""
+        if self.lock is None:
+            raise RuntimeError("ExportTarget.commit outside its with block (DIR unchecked)")
         try:
             staging = tempfile.mkdtemp(prefix=f".{self.name}.export-", dir=self.parent)
         except OSError as exc:

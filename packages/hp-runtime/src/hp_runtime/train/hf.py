@@ -134,9 +134,19 @@ def write_hf(
 ) -> list[str]:
     """`tensors` (hp names, full) as an HF directory of the model's family, written whole or
     not at all and never over anything but a previous export (`exportdir`)."""
+    with ExportTarget(out) as target:
+        return _write_hf(tensors, config, target, dtype, max_shard_bytes)
+
+
+def _write_hf(
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    target: ExportTarget,
+    dtype: str,
+    max_shard_bytes: int,
+) -> list[str]:
     st = _safetensors()
     family = export_family(config)
-    target = ExportTarget(out)
     named = _to_hf(family, config, tensors, dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -410,12 +420,13 @@ def export_checkpoint(
     family."""
     from hp_runtime.train.checkpoint import read_meta
 
-    ExportTarget(out)  # a bad --out is refused before the checkpoint is read
-    # The family first: a model that no family is exactly is refused before a tensor is read.
-    config = _stored_model(checkpoint, read_meta(checkpoint))
-    try:
-        export_family(config)
-    except TrainError as exc:
-        raise TrainError(f"{checkpoint}: cannot be exported: {exc}") from None
-    config, weights = read_model(checkpoint)
-    return write_hf(weights, config, out, dtype, max_shard_bytes)
+    # A bad --out, or one another export is writing, is refused before the checkpoint is read.
+    with ExportTarget(out) as target:
+        # The family first: a model that no family is exactly is refused before a tensor is read.
+        config = _stored_model(checkpoint, read_meta(checkpoint))
+        try:
+            export_family(config)
+        except TrainError as exc:
+            raise TrainError(f"{checkpoint}: cannot be exported: {exc}") from None
+        config, weights = read_model(checkpoint)
+        return _write_hf(weights, config, target, dtype, max_shard_bytes)

@@ -127,7 +127,14 @@ class Loop:
         )
 
     def train(self, last: int | None = None) -> RunResult:
-        """Steps up to `last` (default: train.steps; `hp-train replay` stops earlier)."""
+        """Steps up to `last` (default: train.steps; `hp-train replay` stops earlier); the
+        run directory is let go at the end, whatever ends the run (its lock: `dirlock`)."""
+        try:
+            return self._train(last)
+        finally:
+            self.run.held.release()
+
+    def _train(self, last: int | None) -> RunResult:
         self.metrics.mark(self.state.step)
         self.watchdog.start()
         try:

@@ -5,8 +5,10 @@ The run's own `config.toml` is loaded with the overrides (typically a smaller la
 process, fewer ranks) and trained into a fresh `RUN_DIR/replay-*` directory, seeded from the
 newest committed checkpoint before step N (or from the start, whose initialisation is a
 function of the seed alone). Nothing of the run is written to: its checkpoints are read, its
-log is read. The learning rate keeps the run's `train.steps`, so each replayed step is the
-step the run took: bit-identical on the same layout, within 1e-5 in fp32 on another.
+log is read; the replay holds the run directory meanwhile (`dirlock`), so that a replay and a
+live run there exclude each other. The learning rate keeps the run's `train.steps`, so each
+replayed step is the step the run took: bit-identical on the same layout, within 1e-5 in fp32
+on another.
 `--dump DIR` writes step N's per-sample losses and per-parameter gradient norms.
 """
 
@@ -27,6 +29,7 @@ from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.checkpoint import committed, read_meta
 from hp_runtime.train.config import load_config
 from hp_runtime.train.data import Batch
+from hp_runtime.train.dirlock import hold_run_dir
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, fresh_directory
 
@@ -156,46 +159,47 @@ def replay(
         if p.pp > 1 or p.cp > 1:
             raise TrainError("--dump needs pp = 1 and cp = 1 (whole samples): replay with them")
     start = starting_point(run_dir, step)
-    work = fresh_directory(run_dir, "replay-", runtime)
-    try:
-        config = load_config(
-            config_path,
-            [
-                *overrides,
-                f"train.run_dir={work}",
-                f"checkpoint.resume={start or 'none'}",
-                "checkpoint.interval=0",
-                "metrics.log_interval=1",
-                "metrics.plot=false",
-                "metrics.tensorboard=false",
-            ],
-        )
-        started = time.perf_counter()
-        with open(os.devnull, "w") as quiet:
-            run = setup(config, runtime, quiet, started)
-            loop = Loop(config, runtime, run, started)
-            if dumper is not None:
-                loop.on_gradients = lambda s, micro: dumper(s, micro, loop)
-            result = loop.train(last=step)
-        seen = logged(run_dir)
-        out = [
-            ReplayedStep(
-                s,
-                result.losses[s],
-                result.grad_norms[s],
-                seen.get(s, {}).get("loss"),
-                seen.get(s, {}).get("grad_norm"),
+    with hold_run_dir(run_dir, runtime, stream):  # a live run there, or another replay: refused
+        work = fresh_directory(run_dir, "replay-", runtime)
+        try:
+            config = load_config(
+                config_path,
+                [
+                    *overrides,
+                    f"train.run_dir={work}",
+                    f"checkpoint.resume={start or 'none'}",
+                    "checkpoint.interval=0",
+                    "metrics.log_interval=1",
+                    "metrics.plot=false",
+                    "metrics.tensorboard=false",
+                ],
             )
-            for s in sorted(result.losses)
-        ]
-        if runtime.is_main:
-            _print(out, start, dumper, stream)
-        return out
-    finally:
-        if runtime.world_size > 1:
-            dist.barrier()
-        if runtime.is_main and not keep:
-            shutil.rmtree(work, ignore_errors=True)  # made by this replay, under a fresh name
+            started = time.perf_counter()
+            with open(os.devnull, "w") as quiet:
+                run = setup(config, runtime, quiet, started)
+                loop = Loop(config, runtime, run, started)
+                if dumper is not None:
+                    loop.on_gradients = lambda s, micro: dumper(s, micro, loop)
+                result = loop.train(last=step)
+            seen = logged(run_dir)
+            out = [
+                ReplayedStep(
+                    s,
+                    result.losses[s],
+                    result.grad_norms[s],
+                    seen.get(s, {}).get("loss"),
+                    seen.get(s, {}).get("grad_norm"),
+                )
+                for s in sorted(result.losses)
+            ]
+            if runtime.is_main:
+                _print(out, start, dumper, stream)
+            return out
+        finally:
+            if runtime.world_size > 1:
+                dist.barrier()
+            if runtime.is_main and not keep:
+                shutil.rmtree(work, ignore_errors=True)  # made by this replay, under a fresh name
 
 
 def _print(

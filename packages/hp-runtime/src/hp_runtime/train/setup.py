@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -35,6 +36,7 @@ from hp_runtime.train.data import (
     build_datasets,
     phase_starts,
 )
+from hp_runtime.train.dirlock import RunDirLock, hold_run_dir
 from hp_runtime.train.errors import ConfigError, TrainError
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
@@ -224,10 +226,13 @@ class Run:
     checkpointer: Checkpointer
     meta: dict[str, Any]
     resumed_from: str | None
+    held: RunDirLock  # the job's hold on the run directory, let go when the loop ends
 
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
-    t = config.train
+    """This rank's part of the run, once the layout and the paths are checked and the job
+    holds its run directory (`dirlock`: before anything is written there; `Loop.train` lets
+    it go at the end, a failure here at once)."""
     plan = checked_plan(config, runtime)
     check_paths(config)
 
@@ -235,6 +240,24 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         if runtime.is_main:
             print(line, file=stream, flush=True)
 
+    held = hold_run_dir(config.train.run_dir, runtime, stream)
+    try:
+        return _set_up(config, runtime, stream, started, plan, say, held)
+    except BaseException:
+        held.release()
+        raise
+
+
+def _set_up(
+    config: Config,
+    runtime: Runtime,
+    stream: TextIO,
+    started: float | None,
+    plan: BatchPlan,
+    say: Callable[[str], None],
+    held: RunDirLock,
+) -> Run:
+    t = config.train
     checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime, to_toml(config))
     failure, candidates = None, []
     try:  # what to resume, decided before anything is written
@@ -380,4 +403,5 @@ def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | Non
         checkpointer,
         checkpoint_meta(config, datasets),
         resumed,
+        held,
     )

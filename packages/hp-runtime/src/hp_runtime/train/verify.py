@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import torch.distributed as dist
 
 from hp_runtime.train.config import Config, load_config, toml_value
+from hp_runtime.train.dirlock import hold_run_dir
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, fresh_directory
 
@@ -166,53 +167,54 @@ def verify(
     stream = stream or sys.stdout
     overrides = [*overrides, f"train.steps={steps}"]  # the run's own length is not verify's
     config = load_config(config_path, overrides)
-    work = fresh_directory(config.train.run_dir, "verify-", runtime)
-    shrunk = [*overrides, *shrink(config)]
-    layout_config = load_config(config_path, [*shrunk, f"train.run_dir={work}/layout"])
-    reference_dir = os.path.join(work, "one-process")
-    reference = None
-    if runtime.is_main:
-        gbs = batch_plan(layout_config).global_batch_size
-        command = [sys.executable, "-m", "hp_runtime.train"]
-        command += ["--config", config_path] if config_path else []
-        command += [
-            *shrunk,
-            *one_process(gbs, runtime.device.type),
-            f"train.run_dir={reference_dir}",
-        ]
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-        log = open(os.path.join(work, "one-process.log"), "w")  # noqa: SIM115 (kept to the end)
-        reference = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with open(os.devnull, "w") as quiet:
-            train(layout_config, runtime, stream=quiet)
-        # [verdict, error]: rank 0's judgement reaches every rank, a failure too (a rank 0
-        # that raised alone would leave its peers in this broadcast while it waits in the
-        # barrier below)
-        outcome: list[Any] = [True, None]
+    with hold_run_dir(config.train.run_dir, runtime, stream):  # a live run there: refused
+        work = fresh_directory(config.train.run_dir, "verify-", runtime)
+        shrunk = [*overrides, *shrink(config)]
+        layout_config = load_config(config_path, [*shrunk, f"train.run_dir={work}/layout"])
+        reference_dir = os.path.join(work, "one-process")
+        reference = None
         if runtime.is_main:
-            assert reference is not None
-            try:
-                outcome[0] = _judge(
-                    reference, work, reference_dir, steps, tolerance, config, stream
-                )
-            except TrainError as exc:
-                outcome[1] = str(exc)
-        if runtime.world_size > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        if outcome[1] is not None:
-            failure = TrainError(outcome[1])
-            failure.everywhere = True  # rank 0 alone reports it
-            raise failure
-        return bool(outcome[0])
-    finally:
-        if reference is not None and reference.poll() is None:
-            reference.kill()
-            reference.wait()
-        if runtime.world_size > 1:
-            dist.barrier()
-        if runtime.is_main and not keep:
-            shutil.rmtree(work, ignore_errors=True)  # made by this run, under a fresh name
+            gbs = batch_plan(layout_config).global_batch_size
+            command = [sys.executable, "-m", "hp_runtime.train"]
+            command += ["--config", config_path] if config_path else []
+            command += [
+                *shrunk,
+                *one_process(gbs, runtime.device.type),
+                f"train.run_dir={reference_dir}",
+            ]
+            env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+            log = open(os.path.join(work, "one-process.log"), "w")  # noqa: SIM115 (kept to the end)
+            reference = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            with open(os.devnull, "w") as quiet:
+                train(layout_config, runtime, stream=quiet)
+            # [verdict, error]: rank 0's judgement reaches every rank, a failure too (a rank 0
+            # that raised alone would leave its peers in this broadcast while it waits in the
+            # barrier below)
+            outcome: list[Any] = [True, None]
+            if runtime.is_main:
+                assert reference is not None
+                try:
+                    outcome[0] = _judge(
+                        reference, work, reference_dir, steps, tolerance, config, stream
+                    )
+                except TrainError as exc:
+                    outcome[1] = str(exc)
+            if runtime.world_size > 1:
+                dist.broadcast_object_list(outcome, src=0)
+            if outcome[1] is not None:
+                failure = TrainError(outcome[1])
+                failure.everywhere = True  # rank 0 alone reports it
+                raise failure
+            return bool(outcome[0])
+        finally:
+            if reference is not None and reference.poll() is None:
+                reference.kill()
+                reference.wait()
+            if runtime.world_size > 1:
+                dist.barrier()
+            if runtime.is_main and not keep:
+                shutil.rmtree(work, ignore_errors=True)  # made by this run, under a fresh name
 
 
 def _judge(
