@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -64,8 +65,10 @@ def _start(args: list[str], nproc: int, cwd: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> None:
-    """SIGKILL every rank and the launcher once `ready()` holds."""
+def _kill_when(process: subprocess.Popen, ready, run: Path, timeout: float = 240) -> None:
+    """SIGKILL every rank and the launcher once `ready()` holds, then wait until the killed
+    ranks are gone: the launcher's exit does not wait for them, and rank 0 holds the run
+    directory's lock (train/dirlock.py) until the kernel has ended it."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert process.poll() is None, "the run ended before the kill"
@@ -73,6 +76,16 @@ def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> None:
         time.sleep(0.002)
     signal_tree(process.pid, signal.SIGKILL)
     process.wait()
+    lock = run / "hp-train.lock"
+    gone = time.monotonic() + 60
+    while lock.exists():
+        with open(lock, "a") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < gone, "a killed rank still holds the run directory"
+        time.sleep(0.05)
 
 
 def _logged_steps(run: Path) -> int:
@@ -124,7 +137,7 @@ def test_sigkill_then_resume_is_bit_identical(repo, tmp_path, reference, layout)
     run = tmp_path / "run"
     kill_at = random.Random(layout).randint(6, STEPS - 4)  # after the step-4 checkpoint
     process = _start([*args, f"train.run_dir={run}"], nproc, repo)
-    _kill_when(process, lambda: _logged_steps(run) >= kill_at)
+    _kill_when(process, lambda: _logged_steps(run) >= kill_at, run)
     assert STEPS > len(records(run)) >= kill_at
     resumed = _resume(nproc, args, run)
     assert "resumed from" in resumed
@@ -142,7 +155,7 @@ def test_a_kill_during_an_async_save_leaves_it_out(repo, tmp_path, reference):
     run = tmp_path / "run"
     partial = run / "checkpoints" / ".tmp-step-0000008"
     process = _start([*args, f"train.run_dir={run}"], 2, repo)
-    _kill_when(process, partial.exists)  # the second save has begun, not committed
+    _kill_when(process, partial.exists, run)  # the second save has begun, not committed
     assert partial.exists()
     assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == [
         "step-0000004"
