@@ -798,3 +798,20 @@ def _literal(text: str) -> bool:
     except tomllib.TOMLDecodeError:
         return False
     return True
+
+
+def test_data_path_from_the_file_with_phases_on_the_command_line_says_how_to_unset_it(repo):
+    """hp-train's one line says how to unset the file's data.path; the advice, followed, is
+    taken."""
+    from tests.helpers.train import hp_train_here
+
+    example = str(repo / "examples" / "train_tiny.toml")  # names data.path
+    phases = 'data.phases=[{from_step = 1, path = "out/docstrings"}]'
+    done = hp_train_here("--config", example, phases)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    message = done.stderr.strip()
+    assert message.startswith("hp-train: error: data.path: not with data.phases")
+    assert "unset it with data.path=none" in message
+    advice = message.split("unset it with ", 1)[1].split(" ")[0]
+    config = load_config(example, [phases, advice])
+    assert config.data.path is None and config.data.phases[0].path == "out/docstrings"

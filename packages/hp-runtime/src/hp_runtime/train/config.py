@@ -929,8 +929,9 @@ def check_phases(config: Config) -> None:
         )
     if data.path is not None:
         raise ConfigError(
-            "data.path: not with data.phases, which say what trains: move it into a phase "
-            "(validation reads data.valid_path, else the first phase's valid share)"
+            "data.path: not with data.phases, which say what trains: move it into a phase, "
+            "or unset it with data.path=none on the command line (validation reads "
+            "data.valid_path, else the first phase's valid share)"
         )
     for i, phase in enumerate(data.phases):
         if phase.seq_length is not None:
