@@ -350,8 +350,13 @@ def test_bad_ramps_are_one_line(value, more, message):
     assert message in text and "train.batch_ramp" in text and "\n" not in text, text
 
 
-def test_a_sub_key_override_is_refused():
-    with pytest.raises(ConfigError, match=r"train.batch_ramp is a table, set whole"):
+def test_a_field_override_updates_the_ramp_or_makes_one_checked_whole():
+    """`train.batch_ramp.samples=24` over a ramp (written as a list) changes that field alone;
+    with no ramp yet, the one field is a ramp missing the others."""
+    ramp = load_config(None, [*BASE, "train.batch_ramp=[2, 2, 12]", "train.batch_ramp.samples=24"])
+    ramp = ramp.train.batch_ramp
+    assert (ramp.start, ramp.increment, ramp.samples) == (2, 2, 24)
+    with pytest.raises(ConfigError, match=r"^train.batch_ramp.increment: required"):
         load_config(None, [*BASE, "train.batch_ramp.start=2"])
 
 

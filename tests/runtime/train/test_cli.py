@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tomllib
 
@@ -80,6 +81,51 @@ def test_fsdp2_under_torchrun(repo, prefix, tmp_path):
     assert done.stdout.count("step 30/30") == 1  # rank 0 alone logs
 
 
+@pytest.mark.slow
+def test_a_preset_then_one_moe_field_trains_a_top_1_moe(repo, prefix, tmp_path):
+    """`model.preset=moe-tiny model.moe.top_k=1` on the shipped example: the run's
+    config.toml holds the preset's table with top_k 1, the model built from it routes each
+    token to one expert, and the run counts one expert's parameters active a token."""
+    from dataclasses import replace
+
+    import torch
+    from hp_runtime.model import PRESETS, Transformer
+
+    run = tmp_path / "run"
+    overrides = _overrides(
+        prefix,
+        run,
+        "train.steps=2",
+        "train.eval_interval=0",
+        "metrics.log_interval=1",
+        "model.preset=moe-tiny",
+        "model.moe.top_k=1",
+    )
+    done = hp_train("--config", EXAMPLE, *overrides, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in records(run)] == [1, 2]
+    written = tomllib.loads((run / "config.toml").read_text())["model"]
+    expected = replace(PRESETS["moe-tiny"].moe, top_k=1)  # the preset's table, one field changed
+    assert written["moe"] == {name: getattr(expected, name) for name in written["moe"]}
+    assert set(written["moe"]) >= {"experts", "top_k", "expert_ffn_hidden"}
+    model = build_config(tomllib.loads((run / "config.toml").read_text())).model
+    chosen = []
+    transformer = Transformer(model)
+    for name, module in transformer.named_modules():
+        if name.endswith("feed_forward.router"):
+            module.register_forward_hook(lambda _, __, out: chosen.append(out[1]))
+    transformer(torch.randint(0, model.vocab_size, (2, 16)))
+    assert len(chosen) == model.n_layers and all(c.shape == (32, 1) for c in chosen)
+    # One token's parameters, counted from the shapes: embeddings in and out, final norm; each
+    # layer's attention (q, o: dim x dim; k, v: dim x kv width), two norms, the router and
+    # its one expert's SwiGLU (3 x dim x expert_ffn_hidden).
+    dim, kv = written["dim"], written["n_kv_heads"] * written["dim"] // written["n_heads"]
+    experts, width = written["moe"]["experts"], written["moe"]["expert_ffn_hidden"]
+    layer = 2 * dim * dim + 2 * dim * kv + 2 * dim + dim * experts + 1 * 3 * dim * width
+    active = 2 * written["vocab_size"] * dim + dim + written["n_layers"] * layer
+    assert re.search(rf"parameters \({active:,} active a token\)", done.stdout), done.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -90,8 +136,13 @@ def test_fsdp2_under_torchrun(repo, prefix, tmp_path):
             "train.global_batch_size=12 is not a multiple of train.micro_batch_size",
         ),
         (["parallel.tp=2"], "world size is 1"),
+        (["model.preset=moe-tiny", "model.moe.top_k=0"], "model.moe.top_k: must be from 1"),
+        (["model.preset=moe-tiny", "model.moe.top_k=16"], "model.moe.top_k: is more than experts"),
+        (["model.moe.topk=1"], "model.moe.topk: unknown field; did you mean model.moe.top_k? "
+                               "its fields: experts, top_k, expert_ffn_hidden, shared_experts"),
+        (["model.moe.top_k=1"], "model.moe.experts: required; model.moe needs experts, top_k"),
     ],
-)
+)  # fmt: skip
 def test_config_errors_are_one_line(repo, tmp_path, args, message):
     done = hp_train("--config", EXAMPLE, f"train.run_dir={tmp_path / 'run'}", *args, cwd=repo)
     assert done.returncode == 2

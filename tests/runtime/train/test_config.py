@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 import tempfile
 import tomllib
 import typing
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from hp_runtime.model import PRESETS
+from hp_runtime.model.config import MoEConfig
 from hp_runtime.train.config import (
     KEYS,
     RANGES,
     ConfigError,
+    WandbConfig,
     build_config,
     check_paths,
     load_config,
@@ -545,8 +551,8 @@ def _moe(**fields: str) -> str:
         (['model.moe="softmax"'], "model.moe: expected a table {experts"),
         (["model.moe={experts = 4}"], "model.moe.top_k: required; model.moe needs experts, "
                                       "top_k, expert_ffn_hidden (the other fields have defaults)"),
-        (["model.moe.top_k=4"], "model.moe.top_k: model.moe is a table, set whole: "
-                                "model.moe={top_k = 4, ...}, or a [model.moe] table"),
+        (["model.moe.top_k=4"], "model.moe.experts: required; model.moe needs experts, "
+                                "top_k, expert_ffn_hidden"),  # a dense preset: a new table
         ([_moe(experts="0")], "model.moe.experts: must be from 1 to 2**31 - 1, got 0"),
         ([_moe(experts="4.0")], "model.moe.experts: expected an integer, got 4.0 (float)"),
         ([_moe(shared_experts="-1")], "model.moe.shared_experts: must be from 0 to 2**31 - 1"),
@@ -634,3 +640,178 @@ def test_a_bad_moe_key_through_the_installed_command_is_one_line(tmp_path):
         "hp-train: error: model.moe.router: expected one of 'softmax', 'sigmoid', got 'top'"
     )
     assert not (tmp_path / "run").exists()
+
+
+# --- a field of a table key set alone (`model.moe.top_k=1`) -------------------------------------
+
+
+def _toml(value: object) -> str:
+    """A value as TOML writes it, written here (not config.toml_value, which is under test)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def _inline(table: dict) -> str:
+    return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in table.items()) + "}"
+
+
+def test_a_field_updates_the_table_the_preset_or_the_file_has(repo, tmp_path):
+    """As TOML's dotted keys: the field into the table the config has (the preset's, wherever
+    model.preset is set, as any other model key; the file's; an earlier override's), every
+    other field kept; a whole table set later replaces it."""
+    moe_tiny, llama = PRESETS["moe-tiny"].moe, PRESETS["llama3-1b"].rope_scaling
+    for order in (["model.preset=moe-tiny", "model.moe.top_k=1"],
+                  ["model.moe.top_k=1", "model.preset=moe-tiny"]):  # fmt: skip
+        assert load_config(None, [*BASE, *order]).model.moe == replace(moe_tiny, top_k=1)
+    preset_file = tmp_path / "moe.toml"
+    preset_file.write_text('[model]\npreset = "moe-tiny"\n')
+    assert load_config(str(preset_file), [*BASE, "model.moe.top_k=1"]).model.moe == replace(
+        moe_tiny, top_k=1
+    )
+    example = repo / "examples" / "train_moe.toml"
+    table = tomllib.loads(example.read_text())["model"]["moe"]
+    both = ["model.moe.top_k=1", "model.moe.router=sigmoid", "model.moe.load_balance=bias"]
+    got = load_config(str(example), both).model.moe
+    assert got == MoEConfig(**{**table, "top_k": 1, "router": "sigmoid", "load_balance": "bias"})
+    whole = {"experts": 4, "top_k": 2, "expert_ffn_hidden": 16}
+    then_field = [f"model.moe={_inline(whole)}", "model.moe.experts=6"]
+    assert load_config(None, [*BASE, *then_field]).model.moe == MoEConfig(6, 2, 16)
+    field_then = ["model.preset=moe-tiny", "model.moe.top_k=1", f"model.moe={_inline(whole)}"]
+    assert load_config(None, [*BASE, *field_then]).model.moe == MoEConfig(4, 2, 16)
+    factor = ["model.preset=llama3-1b", "model.rope_scaling.factor=16"]
+    assert load_config(None, [*BASE, *factor]).model.rope_scaling == replace(llama, factor=16.0)
+    ramp_file = tmp_path / "ramp.toml"
+    ramp_file.write_text("[train]\nglobal_batch_size = 8\nbatch_ramp = [2, 2, 100]\n")
+    ramp = load_config(str(ramp_file), [*BASE, "train.batch_ramp.samples=40"]).train.batch_ramp
+    assert (ramp.start, ramp.increment, ramp.samples) == (2, 2, 40)
+    wandb = load_config(None, [*BASE, "metrics.wandb.project=p", "metrics.wandb.mode=offline"])
+    assert wandb.metrics.wandb == WandbConfig(project="p", mode="offline")
+    for config in (load_config(str(example), ["model.moe.top_k=1"]),
+                   load_config(None, [*BASE, *factor])):  # fmt: skip
+        assert build_config(tomllib.loads(to_toml(config))) == config  # written whole, read back
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.moe.top_k=1"], "model.moe.experts: required; model.moe needs experts, top_k, "
+                                "expert_ffn_hidden (the other fields have defaults)"),
+        (["model.preset=moe-tiny", "model.moe=none", "model.moe.top_k=1"],
+         "model.moe.experts: required"),  # unset, then a new table of one field
+        (["model.rope_scaling.factor=16"], "model.rope_scaling.type: required; model.rope_scaling "
+                                           "gives all of type, factor, low_freq_factor"),
+        (["metrics.wandb.mode=offline"], "metrics.wandb.project: required"),
+        (["train.batch_ramp.start=2"], "train.batch_ramp.increment: required"),
+        (["model.preset=moe-tiny", "model.moe.top_k=0"],
+         "model.moe.top_k: must be from 1 to 2**31 - 1, got 0"),
+        (["model.preset=moe-tiny", "model.moe.top_k=9"],
+         "model.moe.top_k: is more than experts=8, got 9"),
+        (["model.preset=moe-tiny", "model.moe.top_k=two"],
+         "model.moe.top_k: expected an integer, got 'two'"),
+        (["model.preset=moe-tiny", "model.moe.route_scale=nan"],
+         "model.moe.route_scale: expected a number, got nan"),
+        (["model.preset=llama3-1b", "model.rope_scaling.factor=0.5"],
+         "model.rope_scaling.factor: must be at least 1, got 0.5"),
+        (["model.moe.topk=1"], "model.moe.topk: unknown field; did you mean model.moe.top_k? "
+                               "its fields: experts, top_k, expert_ffn_hidden, shared_experts, "
+                               "router, renormalize, route_scale, first_dense_layers, "
+                               "load_balance, aux_loss_coef, bias_update_rate"),
+        (["model.rope_scaling.theta=1"], "model.rope_scaling.theta: unknown field; its fields: "
+                                         "type, factor, low_freq_factor, high_freq_factor, "
+                                         "original_max_seq_len"),
+        (["model.moe.top_k.x=1"], "model.moe.top_k.x: unknown field; did you mean "
+                                  "model.moe.top_k?"),
+        (["train.steps.x=1"], "train.steps.x: unknown key"),
+        (["data.phases.path=x"], "data.phases.path: unknown key"),  # an array, not a table
+    ],
+)  # fmt: skip
+def test_a_bad_field_is_one_line_naming_it(overrides, message):
+    got = _error(*overrides)
+    assert got.startswith(message), got
+
+
+TABLE_KEYS = {  # the table keys, found in the schema: a dataclass or none (not an array)
+    f"{section}.{key}": typing.get_args(kind)[0]
+    for section, names in KEYS.items()
+    for key, kind in names.items()
+    if typing.get_origin(kind) is not tuple
+    and typing.get_args(kind)
+    and dataclasses.is_dataclass(typing.get_args(kind)[0])
+}
+# For each, a config that has the table (a preset's, or one set whole) and one that has none.
+WITH_TABLE = {
+    "model.moe": ["model.preset=moe-tiny"],
+    "model.rope_scaling": ["model.preset=llama3-1b"],
+    "train.batch_ramp": ["train.global_batch_size=8", "train.batch_ramp={start = 2, "
+                         "increment = 2, samples = 100}"],
+    "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],
+}  # fmt: skip
+
+
+def test_the_table_keys_are_these():
+    assert set(TABLE_KEYS) == set(WITH_TABLE)  # a new table key gets its cases here
+
+
+def _table_of(config, key: str):
+    section, name = key.split(".")
+    return getattr(config.model if section == "model" else getattr(config, section), name)
+
+
+def _takes_text(kind) -> bool:
+    return kind is str or any(isinstance(a, str) or _takes_text(a) for a in typing.get_args(kind))
+
+
+def test_every_field_of_every_table_key_with_every_odd_value():
+    """Each field of each table key alone set to zero, negative, huge, non-finite, a wrong type,
+    odd text, over a config with the table and one without: one line naming the table key's
+    field, or the table with that field changed and every other kept. A value TOML reads
+    (and a field that takes no text keeps as TOML reads it) gives the verdict of the table
+    written out whole with it."""
+    for key, cls in TABLE_KEYS.items():
+        hints = typing.get_type_hints(cls)
+        for with_table in (True, False):
+            base = [*BASE, *(WITH_TABLE[key] if with_table else [])]
+            before = _table_of(load_config(None, base), key)
+            whole = dataclasses.asdict(before) if before is not None else {}
+            for name in (f.name for f in dataclasses.fields(cls)):
+                for value in ODD_TEXTS + NUMBERS:
+                    message = _load_and_check([*base, f"{key}.{name}={value}"])
+                    if message is not None:
+                        assert message.startswith(key) or f"{name}=" in message, (key, value)
+                        if with_table:  # the field at fault (or the one it breaks a relation of)
+                            assert re.search(rf"\b{name}\b", message), message
+                    else:
+                        after = _table_of(load_config(None, [*base, f"{key}.{name}={value}"]), key)
+                        kept = {k: v for k, v in dataclasses.asdict(after).items() if k != name}
+                        assert kept == {k: v for k, v in whole.items() if k != name} or not whole
+                    if with_table and not _takes_text(hints[name]) and _literal(value):
+                        table = {k: _toml(v) for k, v in whole.items() if v is not None}
+                        table[name] = value
+                        written = "{" + ", ".join(f"{k} = {v}" for k, v in table.items()) + "}"
+                        assert message == _load_and_check([*base, f"{key}={written}"]), value
+
+
+def _literal(text: str) -> bool:
+    try:
+        tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
+def test_data_path_from_the_file_with_phases_on_the_command_line_says_how_to_unset_it(repo):
+    """hp-train's one line says how to unset the file's data.path; the advice, followed, is
+    taken."""
+    from tests.helpers.train import hp_train_here
+
+    example = str(repo / "examples" / "train_tiny.toml")  # names data.path
+    phases = 'data.phases=[{from_step = 1, path = "out/docstrings"}]'
+    done = hp_train_here("--config", example, phases)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    message = done.stderr.strip()
+    assert message.startswith("hp-train: error: data.path: not with data.phases")
+    assert "unset it with data.path=none" in message
+    advice = message.split("unset it with ", 1)[1].split(" ")[0]
+    config = load_config(example, [phases, advice])
+    assert config.data.path is None and config.data.phases[0].path == "out/docstrings"

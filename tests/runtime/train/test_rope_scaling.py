@@ -258,7 +258,8 @@ def test_every_bad_rope_scaling_is_one_line_naming_its_field():
         "model.rope_scaling.type: expected one of 'llama3', got 'yarn'"
     )
     assert _bad({**TABLE, "factr": 8.0}) == (
-        "model.rope_scaling.factr: unknown field; did you mean model.rope_scaling.factor?"
+        "model.rope_scaling.factr: unknown field; did you mean model.rope_scaling.factor? "
+        f"its fields: {FIELDS}"
     )
     assert _bad({**TABLE, "rope_theta": 1e4}) == (
         f"model.rope_scaling.rope_theta: unknown field; its fields: {FIELDS}"

@@ -502,8 +502,52 @@ def _name(key: str) -> str:
     return key if key.isprintable() and 0 < len(key) <= 80 else _shown(key)
 
 
+@dataclass(frozen=True)
+class Fields:
+    """Fields of a table key set by dotted overrides (`model.moe.top_k=1`) where the config
+    gives the key no value: they update the preset's table, which is known only once every
+    key is read (`model.preset` may come later, or from the file)."""
+
+    values: dict[str, Any]
+
+
+def _fields_of(cls: type, value: Any) -> dict[str, Any] | None:
+    """A table key's value as its fields by name: a table, the list a key that takes one
+    (`train.batch_ramp = [start, increment, samples]`) gives, or a preset's dataclass; None
+    for any other value."""
+    if isinstance(value, cls):
+        return as_table(value)
+    if getattr(cls, "as_list", False) and isinstance(value, list | tuple):
+        names = list(_key_types(cls))
+        return dict(zip(names, value, strict=True)) if len(value) == len(names) else None
+    return dict(value) if isinstance(value, dict) else None
+
+
+def _updated(current: Any, cls: type, fields: dict[str, Any]) -> Any:
+    """A table key's value with `fields` set, as TOML's dotted keys set them: into the table
+    it holds; into the preset's (`Fields`) where the config gives none; into a new table over
+    any other value (none): then checked whole, so a required field may be missing."""
+    if isinstance(current, Fields):
+        return Fields({**current.values, **fields})
+    return {**(_fields_of(cls, current) or {}), **fields}
+
+
+def _field_override(section: str, name: str, text: str) -> tuple[str, type, Any] | None:
+    """(table key, its class, the field's value) when `name` is `TABLE.FIELD` of a table key
+    of `section` (`moe.top_k`); None for any other key."""
+    table, _, field = name.partition(".")
+    cls = _table_class(KEYS[section].get(table)) if field else None
+    if cls is None:
+        return None
+    kinds = _key_types(cls)
+    if field not in kinds:
+        raise _unknown_field(f"{section}.{table}", field, kinds)
+    return table, cls, {field: _parse_override(text, kinds[field])}
+
+
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """`["train.steps=50", "optim.lr=3e-4"]` → {"train": {"steps": 50}, "optim": {...}}."""
+    """`["train.steps=50", "optim.lr=3e-4"]` → {"train": {"steps": 50}, "optim": {...}}, in
+    order: `model.moe.top_k=1` updates the `model.moe` an earlier override set."""
     tree: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -514,41 +558,43 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
             )
         if section not in KEYS:
             raise _unknown(section, None)
-        table, _, field = name.partition(".")
-        if field and _table_class(KEYS[section].get(table)) is not None:
-            raise ConfigError(
-                f"{_name(key.strip())}: {section}.{table} is a table, set whole: "
-                f"{section}.{table}={{{field} = {text.strip()}, ...}}, or a [{section}.{table}] "
-                "table in the config file"
-            )
-        if name not in KEYS[section]:
+        values = tree.setdefault(section, {})
+        dotted = _field_override(section, name, text.strip())
+        if dotted is not None:
+            table, cls, field = dotted
+            values[table] = _updated(values.get(table, Fields({})), cls, field)
+        elif name in KEYS[section]:
+            values[name] = _parse_override(text.strip(), KEYS[section][name])
+        else:
             raise _unknown(section, name)
-        tree.setdefault(section, {})[name] = _parse_override(text.strip(), KEYS[section][name])
     return tree
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`overrides` on top of the file's tree; a section that is not a table stays as it is, for
-    `build_config` to name."""
+    """`overrides` on top of the file's tree, a table's fields into the file's table; a section
+    that is not a table stays as it is, for `build_config` to name."""
     merged = {
         section: dict(values) if isinstance(values, dict) else values
         for section, values in base.items()
     }
     for section, values in overrides.items():
-        if isinstance(merged.get(section, {}), dict):
-            merged.setdefault(section, {}).update(values)
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            continue
+        for key, value in values.items():
+            if isinstance(value, Fields):
+                cls = _table_class(KEYS[section][key])
+                value = _updated(target.get(key, value), cls, value.values)
+            target[key] = value
     return merged
 
 
 def _value(key: str, kind: Any, value: Any) -> Any:
     """One key's value (from TOML) as `kind`, in its range and form."""
     table = _table_class(kind)
-    if table is not None and getattr(table, "as_list", False) and isinstance(value, list):
-        names = list(_key_types(table))
-        if len(value) == len(names):
-            value = dict(zip(names, value, strict=True))
-    if table is not None and isinstance(value, dict):
-        return _table(key, table, value)
+    fields_given = None if table is None else _fields_of(table, value)
+    if fields_given is not None:
+        return _table(key, table, fields_given)
     if typing.get_origin(kind) is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):
         # an array of tables ([[data.phases]])
         if not isinstance(value, list | tuple) or not all(isinstance(v, dict) for v in value):
@@ -570,6 +616,15 @@ def _value(key: str, kind: Any, value: Any) -> Any:
     return typed
 
 
+def _unknown_field(key: str, name: str, kinds: dict[str, Any]) -> ConfigError:
+    """`name` is no field of the table key `key`: the closest, if any is close, and all."""
+    close = difflib.get_close_matches(name, kinds, n=1)
+    hint = f"did you mean {key}.{close[0]}? " if close else ""
+    return ConfigError(
+        f"{_name(f'{key}.{name}')}: unknown field; {hint}its fields: {', '.join(kinds)}"
+    )
+
+
 def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
     """A table key (`model.rope_scaling = {type = "llama3", ...}`) as the frozen dataclass
     `cls`: only its fields, every one without a default given, each typed as `_value` types
@@ -577,9 +632,7 @@ def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
     kinds = _key_types(cls)
     for name in values:
         if name not in kinds:
-            close = difflib.get_close_matches(name, kinds, n=1)
-            hint = f"did you mean {key}.{close[0]}?" if close else f"its fields: {', '.join(kinds)}"
-            raise ConfigError(f"{_name(f'{key}.{name}')}: unknown field; {hint}")
+            raise _unknown_field(key, name, kinds)
     required = [key_of(f) for f in key_fields(cls) if f.default is dataclasses.MISSING]
     for name in required:
         if name not in values:
@@ -594,11 +647,15 @@ def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
         raise ConfigError(f"{key}.{exc.field}: {exc.problem}, got {exc.value!r}") from None
 
 
-def _typed(section: str, values: dict[str, Any]) -> dict[str, Any]:
+def _typed(section: str, values: dict[str, Any], preset: Any = None) -> dict[str, Any]:
+    """Each key of `section` typed; a table's `Fields` over the `preset`'s table, if any."""
     out = {}
     for key, value in values.items():
         if key not in KEYS[section]:
             raise _unknown(section, key)
+        if isinstance(value, Fields):
+            cls = _table_class(KEYS[section][key])
+            value = _updated(getattr(preset, key, None), cls, value.values)
         out[key] = _value(f"{section}.{key}", KEYS[section][key], value)
     return out
 
@@ -626,8 +683,9 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
 def build_model(values: dict[str, Any]) -> tuple[str, ModelConfig, str | None]:
     """(preset name, `ModelConfig`, init_from) from a `[model]` table, checked alone: what
     export needs of a stored config, whose other sections may be of an older hp-train."""
-    typed = _typed("model", values)
-    preset_name = typed.pop("preset", "tiny")
+    preset_name = _typed("model", {"preset": values.get("preset", "tiny")})["preset"]
+    typed = _typed("model", values, PRESETS[preset_name])
+    typed.pop("preset", None)
     init_from = typed.pop("init_from", None)
     try:
         model = dataclasses.replace(PRESETS[preset_name], **typed)
@@ -871,8 +929,9 @@ def check_phases(config: Config) -> None:
         )
     if data.path is not None:
         raise ConfigError(
-            "data.path: not with data.phases, which say what trains: move it into a phase "
-            "(validation reads data.valid_path, else the first phase's valid share)"
+            "data.path: not with data.phases, which say what trains: move it into a phase, "
+            "or unset it with data.path=none on the command line (validation reads "
+            "data.valid_path, else the first phase's valid share)"
         )
     for i, phase in enumerate(data.phases):
         if phase.seq_length is not None:
