@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_format import timed  # the faster of three runs, in seconds
+
 
 def write_corpus(prefix: str, tokens: int, seed: int = 0) -> None:
     import numpy as np
@@ -58,15 +60,6 @@ def read(dataset, count: int, ahead: int = 0) -> float:
     return seconds
 
 
-def _best(run, times: int = 3) -> float:
-    best = float("inf")
-    for _ in range(times):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def check_costs(bin_file: str, open_remote) -> list[tuple[str, float, float]]:
     """(what, seconds a GiB with the check, without): the writer's hashes against a plain read
     of the `.bin`; a fresh process's first map of every cached chunk, checked and not."""
@@ -80,7 +73,7 @@ def check_costs(bin_file: str, open_remote) -> list[tuple[str, float, float]]:
             while stream.readinto(buffer):
                 pass
 
-    hashed, plain = _best(lambda: file_digests(bin_file)), _best(read_only)
+    hashed, plain = timed(lambda: file_digests(bin_file)), timed(read_only)
     rows = [("record at write (hash the .bin)", hashed / gib, plain / gib)]
 
     def map_all(skip: bool) -> float:
