@@ -65,7 +65,7 @@ from hp_data.readers import (
     read_chunk,
 )
 from hp_data.redact import redact_data
-from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, set_timeout
+from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, same_file, set_timeout
 from hp_data.shards import ShardTask
 from hp_data.tokenize import TokenizerFiles, VerifiedEngine, frame_documents, vocab_size
 
@@ -354,14 +354,18 @@ class _WorkDir:
                 for k in keys
                 for path in (bin_path, idx_path)
             )
-            if record["identity"] != unit.identity or not unit.reusable or not complete:
+            same = record["identity"] == unit.identity and same_file(record, unit.pin)
+            if not same or not unit.reusable or not complete:
                 break
             done += 1
         self.manifest["shards"] = self.manifest["shards"][:done]
         return done
 
     def record(self, unit: WorkUnit, stats: _UnitStats) -> None:
-        self.manifest["shards"].append({"identity": unit.identity, "stats": stats.__dict__})
+        inode = unit.pin and unit.pin.inode_number  # a local file's: see `same_file`
+        self.manifest["shards"].append(
+            {"identity": unit.identity, "inode": inode, "stats": stats.__dict__}
+        )
         target = os.path.join(self.path, "manifest.json")
         with open(target + ".tmp", "w", encoding="utf-8") as stream:
             json.dump(redact_data(self.manifest), stream)  # no credential is ever stored

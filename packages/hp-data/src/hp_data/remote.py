@@ -118,6 +118,14 @@ class Pin:
             return all(theirs[key] == value for key, value in shared)
         return self.tag is None and not self.weak  # nothing to compare: only the size
 
+    @property
+    def inode_number(self) -> int | None:
+        """A local file's inode number (None for a URL): what a resumed run keeps beside the
+        identity, so that a file replaced (written, then renamed over) by one of the same size
+        and mtime is seen to be another. Not the device: an NFS mount's is numbered when it is
+        mounted, so another node or a remount would redo every unit."""
+        return None if self.inode is None else self.inode[1]
+
     @classmethod
     def of_stat(cls, stat: os.stat_result) -> Pin:
         return cls(stat.st_size, weak=(("mtime_ns", str(stat.st_mtime_ns)),),
@@ -138,6 +146,13 @@ class Pin:
         weak = [(key, value) for key, value in found if value.startswith("W/")]  # weak ETags
         weak += [(key, value) for key in _MODIFIED_KEYS if (value := text(key)) is not None]
         return cls(int(info.get("size") or 0), next(iter(tags), None), tuple(weak))
+
+
+def same_file(record: dict[str, Any], pin: Pin | None) -> bool:
+    """Whether the inode a resume `record` keeps (`Pin.inode_number`) is the input's now.
+    A record an older hp-data wrote has none: its size and mtime decide, as they did then."""
+    recorded = record.get("inode")
+    return recorded is None or recorded == (pin and pin.inode_number)
 
 
 @functools.lru_cache(maxsize=32)
