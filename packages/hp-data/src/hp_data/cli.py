@@ -183,7 +183,7 @@ def inspect(
     allow_download: bool,
     multimodal: bool,
 ) -> None:
-    """Describe the dataset at PATH (a prefix, or its .idx or .bin)."""
+    """Describe the dataset at PATH (a prefix, its .idx or .bin, or a URL prefix)."""
     if check:
         problems = dataset_problems(path, multimodal)
         if problems:

@@ -189,6 +189,23 @@ class RemoteCorpus:
     def bin_size(self) -> int:
         return self.pins["bin"].size  # type: ignore[union-attr]
 
+    @property
+    def idx_size(self) -> int:
+        return self.pins["idx"].size  # type: ignore[union-attr]
+
+    def copy_sidecar(self, suffix: str) -> str | None:
+        """The object PREFIX`suffix` (`.hp.sources`, for inspect) copied whole into this
+        corpus's directory under its pin's name, once; None where the store has none."""
+        url = self.url + suffix
+        pin = current_pin(url, missing_ok=True)
+        if pin is None:
+            return None
+        target = os.path.join(self.directory, f"sidecar-{cache_key({'pin': repr(pin)})}{suffix}")
+        with key_lock(target):
+            if not _whole(target, pin.size):
+                _download(url, pin, 0, pin.size, target)
+        return target
+
     @functools.cached_property
     def record(self) -> BlockRecord | None:
         """The `.bin`'s block hashes its `.hp.json` records (None: it has none)."""

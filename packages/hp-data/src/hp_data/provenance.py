@@ -255,10 +255,12 @@ class Provenance:
             os.fsync(stream.fileno())
 
 
-def read_provenance(prefix: str) -> Provenance | None:
+def read_provenance(prefix: str, path: str | None = None) -> Provenance | None:
     """The provenance of the dataset at `prefix`, or None when it has no sidecar. A sidecar
-    that is damaged or does not match the `.idx` raises ProvenanceError naming it."""
-    path, index = sources_path(prefix_of(prefix)), idx_path(prefix_of(prefix))
+    that is damaged or does not match the `.idx` raises ProvenanceError naming it. `path`:
+    the sidecar where it is not beside the `.idx` (a URL prefix's, copied into the cache)."""
+    index = idx_path(prefix_of(prefix))
+    path = sources_path(prefix_of(prefix)) if path is None else path
     try:
         stat = os.stat(path)
     except FileNotFoundError:

@@ -11,6 +11,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.header import metadata_path
 from hp_data.format.metadata import read_metadata
 from hp_data.format.reader import IndexedDataset
+from hp_data.object_store import RemoteCorpus
 
 
 def document_lengths(dataset: IndexedDataset) -> np.ndarray:
@@ -57,32 +58,51 @@ def histogram(lengths: np.ndarray) -> list[dict[str, int]]:
 
 
 def summarize(dataset: IndexedDataset) -> dict[str, Any]:
+    """The report of a dataset, local or behind a URL (its sizes then the store's, its
+    metadata and provenance read from copies in the node cache)."""
     lengths = document_lengths(dataset)
+    remote = dataset.remote
     return {
         "prefix": dataset.path_prefix,
         "dtype": str(dataset.dtype),
         "sequences": len(dataset),
         "documents": dataset.num_documents,
         "tokens": dataset.num_tokens,
-        "bin_bytes": os.path.getsize(dataset.bin_path),
-        "idx_bytes": os.path.getsize(dataset.idx_path),
+        "bin_bytes": dataset.bin_bytes,
+        "idx_bytes": os.path.getsize(dataset.idx_path) if remote is None else remote.idx_size,
         "document_length": length_stats(lengths),
         "histogram": histogram(lengths),
-        "tokenizer": (read_metadata(dataset.path_prefix) or {}).get("tokenizer"),
-        "provenance": provenance_report(dataset.path_prefix),
+        "tokenizer": (read_metadata(_metadata_prefix(dataset)) or {}).get("tokenizer"),
+        "provenance": provenance_report(dataset.path_prefix, remote),
     }
 
 
-def provenance_report(prefix: str) -> dict[str, Any] | None:
+def _metadata_prefix(dataset: IndexedDataset) -> str:
+    """Where the dataset's `.hp.json` is read: beside it, or its copy in the node cache."""
+    return dataset.path_prefix if dataset.remote is None else dataset.remote.local_prefix
+
+
+def provenance_report(prefix: str, remote: RemoteCorpus | None = None) -> dict[str, Any] | None:
     """What the `.hp.sources` sidecar records (provenance.py), or None without one; a
-    damaged or mismatched one is reported as `{"problem": ...}`, the dataset stays usable."""
-    from hp_data.format.header import sources_path
+    damaged or mismatched one is reported as `{"problem": ...}`, the dataset stays usable.
+    Of a URL prefix (`remote`), the store's sidecar is copied into the node cache first."""
+    from hp_data.format.header import idx_path, sources_path
     from hp_data.provenance import REASONS, ProvenanceError, read_provenance
 
+    path, named = sources_path(prefix), {}
+    if remote is not None:
+        copied = remote.copy_sidecar(".hp.sources")
+        if copied is None:
+            return None
+        named = {copied: path, remote.local_prefix + ".idx": idx_path(prefix)}
+        prefix, path = remote.local_prefix, copied
     try:
-        found = read_provenance(prefix)
+        found = read_provenance(prefix, path)
     except ProvenanceError as exc:
-        return {"problem": str(exc)}
+        message = str(exc)
+        for local, shown in named.items():  # named as the user named them
+            message = message.replace(local, shown)
+        return {"problem": message}
     if found is None:
         return None
     counts = np.bincount(found.reasons, minlength=len(REASONS))
@@ -90,7 +110,7 @@ def provenance_report(prefix: str) -> dict[str, Any] | None:
         "inputs": len(found.inputs),
         "units": len(found.units),
         "skipped": dict(zip(REASONS, counts.tolist(), strict=True)),
-        "bytes": os.path.getsize(sources_path(prefix)),
+        "bytes": os.path.getsize(path),
     }
 
 
@@ -106,7 +126,7 @@ def show_documents(
     if tokenizer is not None:
         files = TokenizerFiles.locate(tokenizer, allow_download)
     else:
-        record = (read_metadata(prefix) or {}).get("tokenizer")
+        record = (read_metadata(_metadata_prefix(dataset)) or {}).get("tokenizer")
         if record is None:
             raise PreprocessError(
                 f"{prefix}: no tokenizer recorded beside it (hp-data preprocess writes "

@@ -133,10 +133,38 @@ def record_problems(prefix: str, metadata: dict[str, Any] | None, bin_file: str)
     if record is None:
         return []
     bad = record.first_bad(file_digests(bin_file, record.block_bytes), 0)
-    if bad is None:
-        return []
-    start = bad * record.block_bytes
-    return [
-        f"{bin_file}: bytes {start:,}-{start + record.block_bytes:,} (block {bad}) differ from "
-        f"what was written ({where}: {KEY}); the file is damaged: write or copy it again"
-    ]
+    return [] if bad is None else [block_problem(bin_file, where, bad, record.block_bytes)]
+
+
+def block_problem(
+    bin_name: str,
+    where: str,
+    bad: int,
+    block_bytes: int,
+    fix: str = "; the file is damaged: write or copy it again",
+) -> str:
+    """The line for block `bad` of `bin_name` differing from the record in `where`."""
+    start = bad * block_bytes
+    return (
+        f"{bin_name}: bytes {start:,}-{start + block_bytes:,} (block {bad}) differ from "
+        f"what was written ({where}: {KEY}){fix}"
+    )
+
+
+def streamed_digests(corpus: Any) -> np.ndarray:
+    """The digest of every block of a URL prefix's `.bin` (`object_store.RemoteCorpus`),
+    read once front to back from the store through its pin: never into the node cache."""
+    from hp_data.redact import redact
+    from hp_data.remote import open_pinned
+
+    hasher = BlockHasher(corpus.record.block_bytes)
+    read = 0
+    with open_pinned(corpus.bin_url, corpus.pins["bin"], "a dataset file") as stream:
+        while block := stream.read(_READ):
+            hasher.update(block)
+            read += len(block)
+    if read != corpus.bin_size:
+        raise IndexedDatasetError(
+            f"{redact(corpus.bin_url)}: ends at byte {read:,}; its pin says {corpus.bin_size:,}"
+        )
+    return hasher.digests()
