@@ -42,6 +42,7 @@ from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
 from hp_runtime.train.launch import Runtime, agree, lowest_message
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
+from hp_runtime.train.migrate import as_phased
 from hp_runtime.train.optim import build_optimizer
 from hp_runtime.train.state import TrainState
 from hp_runtime.train.step import Stepper, TokenLoss
@@ -173,7 +174,7 @@ def resume(
     for number, path in enumerate(candidates, 1):
         meta: dict[str, Any] = {}
         try:
-            meta = read_meta(path)
+            meta = as_phased(read_meta(path), path, config, state.plan, datasets)
             check_compatible(
                 meta,
                 path,
