@@ -7,6 +7,7 @@ body, an error status, the server going down) and a hook called before every ans
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import http.client
 import os
@@ -42,6 +43,9 @@ class Faults:
     flip: dict[str, int] = field(default_factory=dict)
     status_on: dict[int, int] = field(default_factory=dict)  # answer this status instead
     down_from: int | None = None  # from this GET on, the server is gone (connections refused)
+    # "USER:PASSWORD": a request without that HTTP Basic credential is answered 401, as a
+    # store that needs one answers (None: every request is served).
+    auth: str | None = None
     # Called with (GET number or 0 for HEAD, method, path) before each answer: change files.
     hook: Callable[[int, str, str], None] | None = None
 
@@ -105,6 +109,8 @@ class _Handler(BaseHTTPRequestHandler):
             server.stopping.wait(faults.stall_seconds)
         if number in faults.status_on:
             return self._empty(faults.status_on[number])
+        if faults.auth is not None and self.headers.get("Authorization") != _basic(faults.auth):
+            return self._empty(401, {"WWW-Authenticate": 'Basic realm="store"'})
         if server.upstream is not None:
             return self._relay(body, number in faults.truncate_on, flip)
         path = server.root / self.path.split("?", 1)[0].lstrip("/")
@@ -182,6 +188,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data[: len(data) // 2] if truncate else data)
         if truncate:
             self.close_connection = True
+
+
+def _basic(credential: str) -> str:
+    return "Basic " + base64.b64encode(credential.encode()).decode()
 
 
 def _flipped(data: bytes) -> bytes:

@@ -6,7 +6,7 @@
     hp-train export RUN_DIR/checkpoints/step-0001000 --out hf-model [--dtype bfloat16]
     torchrun --nproc-per-node 8 -m hp_runtime.train verify --config cfg.toml
     hp-train replay RUN_DIR --step 1234 [--dump DIR] [parallel.dp_shard=1 ...]
-    hp-train mix-report --config cfg.toml [KEY=VALUE ...] [--json]
+    hp-train mix-report RUN_DIR [--json]   (or --config cfg.toml [KEY=VALUE ...])
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
@@ -39,7 +39,7 @@ def _fail(message: str, code: int, rank: int) -> None:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Every key is listed in docs/training.md. Subcommands: hp-train plot RUN_DIR; "
     "hp-train export CHECKPOINT --out DIR; hp-train verify --config FILE; "
-    "hp-train replay RUN_DIR --step N; hp-train mix-report --config FILE [--json].",
+    "hp-train replay RUN_DIR --step N; hp-train mix-report RUN_DIR | --config FILE [--json].",
 )
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.argument("overrides", nargs=-1)
@@ -271,32 +271,33 @@ def plan_command(
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_path", type=str, required=True, help="The run's TOML file.")
+@click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON (docs/training.md).")
-@click.argument("overrides", nargs=-1)
-def mix_report_command(config_path: str, as_json: bool, overrides: tuple[str, ...]) -> None:
+@click.argument("args", nargs=-1)
+def mix_report_command(config_path: str | None, as_json: bool, args: tuple[str, ...]) -> None:
     """Per data phase and corpus: samples, tokens, epochs, repeats, where each corpus wraps
-    around; read from the config alone (no ranks, no training)."""
+    around; of a run directory (what the run recorded) or read from a config alone (no
+    ranks, no training)."""
     import json
 
     from hp_data.errors import HpDataError
     from hp_data.phases import report_table
 
-    from hp_runtime.train.config import check_paths, load_config
     from hp_runtime.train.data import mixture_report
     from hp_runtime.train.errors import ConfigError, TrainError
+    from hp_runtime.train.mixrecord import report
 
+    run_dir = args[0] if args and "=" not in args[0] else None
     try:
-        config = load_config(config_path, list(overrides))
-        check_paths(config)
-        report = mixture_report(config)
+        found = report(config_path, run_dir, list(args[1:] if run_dir else args))
+        found = found if isinstance(found, dict) else mixture_report(found)
     except ConfigError as exc:
         _fail(str(exc), 2, 0)
     except (TrainError, HpDataError) as exc:
         _fail(str(exc), 1, 0)
     except OSError as exc:
         _fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", 1, 0)
-    click.echo(json.dumps(report, indent=2) if as_json else report_table(report))
+    click.echo(json.dumps(found, indent=2) if as_json else report_table(found))
 
 
 SUBCOMMANDS = {

@@ -42,6 +42,8 @@ from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
 from hp_runtime.train.launch import Runtime, agree, lowest_message
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
+from hp_runtime.train.migrate import as_phased
+from hp_runtime.train.mixrecord import write_record
 from hp_runtime.train.optim import build_optimizer
 from hp_runtime.train.state import TrainState
 from hp_runtime.train.step import Stepper, TokenLoss
@@ -173,7 +175,7 @@ def resume(
     for number, path in enumerate(candidates, 1):
         meta: dict[str, Any] = {}
         try:
-            meta = read_meta(path)
+            meta = as_phased(read_meta(path), path, config, state.plan, datasets)
             check_compatible(
                 meta,
                 path,
@@ -301,6 +303,8 @@ def _set_up(
     state = TrainState(assembly.modules, optimizer, plan, guard)
     if isinstance(datasets.train, PhasedDataset):
         state.mixture = datasets.train.plan.state_at
+        if runtime.is_main:  # what `hp-train mix-report RUN_DIR` prints, no credential needed
+            write_record(datasets.train.plan, t.run_dir)
     checkpointer.clean()
     load_start = time.perf_counter()
     resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)
