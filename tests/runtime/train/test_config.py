@@ -475,7 +475,7 @@ def test_the_data_section_is_the_registry_config_and_hides_only_what_it_fixes():
 
     from hp_data.registry import DatasetConfig
     from hp_runtime.train.config import DataConfig, key_fields
-    from hp_runtime.train.data import split_configs
+    from hp_runtime.train.data import batch_plan, resolve_data
 
     library = {f.name for f in dataclasses.fields(DatasetConfig)}
     keys = {f.name for f in key_fields(DataConfig)}
@@ -485,8 +485,8 @@ def test_the_data_section_is_the_registry_config_and_hides_only_what_it_fixes():
     for name in DataConfig.fixed:
         with pytest.raises(ConfigError, match=f"data.{name}: unknown key"):
             load_config(None, [*BASE, f"data.{name}=1"])
-    config = load_config(None, [*BASE, "data.seed=7", "model.vocab_size=333"])
-    built = split_configs(config, "/run", validation=False)["train"]
+    config = load_config(None, [*BASE, "data.seed=7", "model.vocab_size=333", "train.run_dir=/run"])
+    built = resolve_data(config, batch_plan(config), validation=False).sources["train"].config
     assert isinstance(built, DatasetConfig) and built.seed == 7 and built.vocab_size == 333
     assert built.cache_dir == os.path.join("/run", "index-cache")
 

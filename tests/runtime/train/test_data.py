@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hp_data import IndexedDataset, IndexedDatasetBuilder, merge_datasets
 from hp_data.format.metadata import read_metadata
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_runtime.train.config import ConfigError, load_config
-from hp_runtime.train.data import batch_plan, build_datasets, sample_counts
+from hp_runtime.train.data import batch_plan, build_datasets, resolve_data, sample_counts
 from hp_runtime.train.launch import TrainError
 
 from tests.helpers.run import run_preprocess
@@ -105,7 +106,8 @@ def _megatron(path: str, tmp_path, *overrides: str):
 
 
 def _build(config, runtime, tmp_path):
-    return build_datasets(config, batch_plan(config), runtime, True, str(tmp_path / "run"))
+    config = replace(config, train=replace(config.train, run_dir=str(tmp_path / "run")))
+    return build_datasets(resolve_data(config, batch_plan(config)), runtime, True)
 
 
 def _refused(config, runtime, tmp_path) -> str:

@@ -83,7 +83,7 @@ def test_a_two_rank_run_resumes_on_one_with_the_same_samples(corpora, full, tmp_
 
 def test_a_phase_added_to_a_finished_run_keeps_the_earlier_samples(corpora, full, tmp_path):
     from hp_runtime.train import load_config
-    from hp_runtime.train.data import batch_plan, phased
+    from hp_runtime.train.data import batch_plan, resolve_data
 
     added = _phases(
         (1, f"0.5 {corpora['big']} 0.5 {corpora['small']}"), (4, corpora["other"], 32),
@@ -91,8 +91,8 @@ def test_a_phase_added_to_a_finished_run_keeps_the_earlier_samples(corpora, full
     )  # fmt: skip
     old = load_config(None, [*_base(corpora, full["run"]), _three(corpora), "train.steps=7"])
     new = load_config(None, [*_base(corpora, full["run"]), added, "train.steps=9"])
-    a = phased(old.data, batch_plan(old), 7)
-    b = phased(new.data, batch_plan(new), 9)
+    a = resolve_data(old, batch_plan(old), validation=False).build("train")
+    b = resolve_data(new, batch_plan(new), validation=False).build("train")
     assert len(a) == 14 and len(b) == 18
     for i in range(14):
         np.testing.assert_array_equal(a[i]["tokens"], b[i]["tokens"])

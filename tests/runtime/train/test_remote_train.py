@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hp_data.errors import HpDataError
 from hp_runtime.train.config import ConfigError, load_config
-from hp_runtime.train.data import check_data, split_configs
+from hp_runtime.train.data import batch_plan, check_data, resolve_data
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.fault_http import fault_server
@@ -131,7 +131,7 @@ def test_the_vocabulary_check_reads_the_record_not_the_bin(tmp_path, corpora):
         config = load_config(
             None, _run(tmp_path, "check", f"0.5 s3://{bucket}/a 0.5 s3://{bucket}/c")
         )
-        check_data(config, split_configs(config, str(tmp_path / "run"), False))
+        check_data(resolve_data(config, batch_plan(config), validation=False))
     gets = [r[1] for r in server.requests if r[0] == "GET"]
     assert gets and not [path for path in gets if path.endswith(".bin")]
 
@@ -142,7 +142,7 @@ def test_a_remote_bin_without_a_record_larger_than_the_cache_is_refused(tmp_path
     config = load_config(None, _run(tmp_path, "bare", "memory://bare/x",
                                     "data.remote_cache_gb=1e-6"))  # fmt: skip
     with pytest.raises(HpDataError) as info:  # hp-train says it as "data: ..."
-        check_data(config, split_configs(config, str(tmp_path / "run"), False))
+        check_data(resolve_data(config, batch_plan(config), validation=False))
     assert str(info.value).startswith(
         "memory://bare/x: its .hp.json records no max_token_id, and finding the largest token "
         "id would download the whole .bin ("
@@ -150,7 +150,7 @@ def test_a_remote_bin_without_a_record_larger_than_the_cache_is_refused(tmp_path
     assert "more than data.remote_cache_gb = 1e-06" in str(info.value)
     # Within the bound it is scanned once, through the cache.
     fits = load_config(None, _run(tmp_path, "bare", "memory://bare/x"))
-    check_data(fits, split_configs(fits, str(tmp_path / "run"), False))
+    check_data(resolve_data(fits, batch_plan(fits), validation=False))
 
 
 def test_a_missing_remote_prefix_is_one_line(tmp_path, corpora):

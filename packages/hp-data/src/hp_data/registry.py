@@ -82,11 +82,6 @@ def _split_of(split_name: str) -> int:
     return SPLITS.index(split_name)
 
 
-def _samples_config(config: DatasetConfig, eod: int | None) -> DatasetConfig:
-    """`config` as GPTDataset reads it: the shares resolved, the EOD id the corpus uses."""
-    return replace(config, split=split_shares(config), eod_token=eod)
-
-
 def _require_path(config: DatasetConfig, *, tokenizer: bool = False) -> str:
     if not config.path:
         raise HpDataError(f"dataset type {config.type!r} needs a path")
@@ -139,31 +134,32 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     return prefix, files.special_id(tokenizer, "eos", None)
 
 
-def _dummy(config: DatasetConfig, split_name: str, num_samples: int | None) -> DummyDataset:
+def _dummy(source: DataSource, split_name: str, num_samples: int | None) -> DummyDataset:
     count = 10_000 if num_samples is None else num_samples
-    return DummyDataset(count, config.seq_length, config.vocab_size, split_seed(config, split_name))
+    config = source.config
+    return DummyDataset(count, config.seq_length, config.vocab_size, source.seed(split_name))
 
 
-def _packed(
-    config: DatasetConfig, split_name: str, num_samples: int | None, input_format: str | None
-) -> GPTDataset:
-    """A tokenized corpus packed into samples."""
-    prefix, eod = _tokenized(config, input_format)
-    return GPTDataset(prefix, split_name, num_samples, _samples_config(config, eod))
+def _packed(source: DataSource, split_name: str, num_samples: int | None) -> GPTDataset:
+    """A tokenized corpus packed into samples (an HF dataset read as `input_format` says)."""
+    config = source.config
+    hf = config.type == "hf_datasets"
+    prefix, eod = _tokenized(config, config.input_format if hf else None)
+    return GPTDataset(prefix, split_name, num_samples, replace(source.shaped, eod_token=eod))
 
 
-def _megatron(config: DatasetConfig, split_name: str, num_samples: int | None) -> Any:
-    spec = _require_path(config)
-    if not has_split(config, split_name):
-        raise HpDataError(f"split {split_name!r} has a zero share in {split_shares(config)!r}")
-    return build_split(spec, _samples_config(config, config.eod_token), split_name, num_samples)
+def _megatron(source: DataSource, split_name: str, num_samples: int | None) -> Any:
+    spec = _require_path(source.config)
+    if not source.has(split_name):
+        raise HpDataError(f"split {split_name!r} has a zero share in {source.shares!r}")
+    return build_split(spec, source.shaped, split_name, num_samples)
 
 
 @dataclass(frozen=True)
 class DatasetType:
     """What hp-data knows of one dataset type: how to build it, what it needs, how it splits."""
 
-    build: Callable[[DatasetConfig, str, int | None], Any]  # (config, split_name, num_samples)
+    build: Callable[[DataSource, str, int | None], Any]  # (source, split_name, num_samples)
     needs_path: bool = True
     needs_tokenizer: bool = False  # tokenized by hp-data on first use (into the cache)
     default_shares: str | None = "969,30,1"  # Megatron's; None: no splits (any split is there)
@@ -172,16 +168,8 @@ class DatasetType:
 DATASET_REGISTRY: dict[str, DatasetType] = {
     "dummy": DatasetType(_dummy, needs_path=False, default_shares=None),
     # A file trains whole unless shares are given: Megatron's default split is for prefixes.
-    "hf_datasets": DatasetType(
-        lambda config, split_name, count: _packed(config, split_name, count, config.input_format),
-        needs_tokenizer=True,
-        default_shares="1,0,0",
-    ),
-    "json_file": DatasetType(
-        lambda config, split_name, count: _packed(config, split_name, count, None),
-        needs_tokenizer=True,
-        default_shares="1,0,0",
-    ),
+    "hf_datasets": DatasetType(_packed, needs_tokenizer=True, default_shares="1,0,0"),
+    "json_file": DatasetType(_packed, needs_tokenizer=True, default_shares="1,0,0"),
     "megatron": DatasetType(_megatron),
 }
 
@@ -196,67 +184,83 @@ def dataset_type(name: str) -> DatasetType:
         ) from None
 
 
-def split_shares(config: DatasetConfig) -> str | None:
-    """The train,valid,test shares `config.path` is divided by: the given ones, else its
-    type's default; None for a type without splits."""
-    if dataset_type(config.type).default_shares is None:
-        return None
-    return config.split or dataset_type(config.type).default_shares
+@dataclass(frozen=True)
+class DataSource:
+    """A data config resolved once (`resolve`): its type's facts and the train,valid,test
+    shares settled, so that a trainer reads what to build, which splits have data, each
+    split's seed and what identifies the samples from here instead of asking again."""
+
+    config: DatasetConfig  # as given; `shaped` is what GPTDataset reads
+    kind: DatasetType
+    shares: str | None  # the given shares, else the type's default; None: no splits
+
+    @property
+    def shaped(self) -> DatasetConfig:
+        """The config as GPTDataset reads it: its shares resolved."""
+        return replace(self.config, split=self.shares)
+
+    def has(self, split_name: str) -> bool:
+        """Whether `split_name` has a share of the data to draw from."""
+        shares = self.shares
+        return shares is None or parse_split(shares)[_split_of(split_name)] > 0
+
+    def seed(self, split_name: str) -> int:
+        """The seed `split_name`'s samples are drawn with: a type without splits draws each
+        split from a seed of its own (its validation samples are not its training samples)."""
+        if self.kind.default_shares is None:
+            return self.config.seed + _split_of(split_name)
+        return self.config.seed
+
+    def build(self, split_name: str = "train", num_samples: int | None = None) -> Any:
+        """`num_samples` samples (None: one epoch; dummy: 10,000) of `split_name`."""
+        _split_of(split_name)
+        return self.kind.build(self, split_name, num_samples)
+
+    def identity(self, dataset: Any, split_name: str) -> dict[str, Any]:
+        """What identifies the samples of `dataset` (`split_name` built from here), whatever
+        their number: each corpus's identity (dtype, sequence lengths' hash, .bin size), blend
+        weights, seed, length, split. A resume compares it; the index cache key (which also
+        covers the sample count) is kept under `index_key` for reference."""
+        out: dict[str, Any] = {
+            "type": self.config.type,
+            "seq_length": self.config.seq_length,
+            "seed": self.seed(split_name),
+            "split": split_name,
+            "split_shares": self.shares,
+            "vocab_size": self.config.vocab_size,
+        }
+        parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
+        corpora = [corpus_fingerprint(p.dataset) for p in parts if isinstance(p, GPTDataset)]
+        if corpora:
+            out["corpora"] = corpora
+        if isinstance(dataset, BlendableDataset):
+            out["weights"] = list(dataset.weights)
+        if isinstance(dataset, GPTDataset | BlendableDataset):
+            out["index_key"] = dataset.cache_report["key"]
+        return out
+
+    def document_end(self, dataset: Any) -> int | None:
+        """The token id that ends a document in `dataset`'s samples: the EOD id its
+        GPTDatasets read (the tokenizer's, for the types hp-data tokenizes), else the config's
+        `eod_token`; None where none is known."""
+        parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
+        for part in parts:
+            if isinstance(part, GPTDataset) and part.config.eod_token is not None:
+                return part.config.eod_token
+        return self.config.eod_token
 
 
-def has_split(config: DatasetConfig, split_name: str) -> bool:
-    """Whether `split_name` has a share of the data to draw from."""
-    shares = split_shares(config)
-    return shares is None or parse_split(shares)[_split_of(split_name)] > 0
-
-
-def split_seed(config: DatasetConfig, split_name: str) -> int:
-    """The seed `split_name`'s samples are drawn with: a type without splits draws each split
-    from a seed of its own (its validation samples are not its training samples)."""
-    if dataset_type(config.type).default_shares is None:
-        return config.seed + _split_of(split_name)
-    return config.seed
-
-
-def dataset_identity(dataset: Any, config: DatasetConfig, split_name: str) -> dict[str, Any]:
-    """What identifies the samples of `dataset` (`split_name` built from `config`), whatever
-    their number: each corpus's identity (dtype, sequence lengths' hash, .bin size), blend weights,
-    seed, length, split. A resume compares it; the index cache key (which also covers the
-    sample count) is kept under `index_key` for reference."""
-    out: dict[str, Any] = {
-        "type": config.type,
-        "seq_length": config.seq_length,
-        "seed": split_seed(config, split_name),
-        "split": split_name,
-        "split_shares": split_shares(config),
-        "vocab_size": config.vocab_size,
-    }
-    parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
-    corpora = [corpus_fingerprint(p.dataset) for p in parts if isinstance(p, GPTDataset)]
-    if corpora:
-        out["corpora"] = corpora
-    if isinstance(dataset, BlendableDataset):
-        out["weights"] = list(dataset.weights)
-    if isinstance(dataset, GPTDataset | BlendableDataset):
-        out["index_key"] = dataset.cache_report["key"]
-    return out
-
-
-def document_end(dataset: Any, config: DatasetConfig) -> int | None:
-    """The token id that ends a document in `dataset`'s samples (built from `config`): the
-    EOD id its GPTDatasets read (the tokenizer's, for the types hp-data tokenizes), else
-    `config.eod_token`; None where none is known."""
-    parts = dataset.datasets if isinstance(dataset, BlendableDataset) else [dataset]
-    for part in parts:
-        if isinstance(part, GPTDataset) and part.config.eod_token is not None:
-            return part.config.eod_token
-    return config.eod_token
+def resolve(config: DatasetConfig) -> DataSource:
+    """`config`'s type looked up (an unknown one lists the valid ones) and its shares settled."""
+    kind = dataset_type(config.type)
+    shares = None if kind.default_shares is None else config.split or kind.default_shares
+    return DataSource(config, kind, shares)
 
 
 def same_samples(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two runs' identities (split -> `dataset_identity`) describe the same samples:
-    the index keys may differ, as they also cover the sample count, which a longer run
-    changes."""
+    """Whether two runs' identities (split -> `DataSource.identity`) describe the same
+    samples: the index keys may differ, as they also cover the sample count, which a longer
+    run changes."""
 
     def strip(identities: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -272,6 +276,4 @@ def build_dataset(
 ) -> Any:
     """`num_samples` samples (None: one epoch; dummy: 10,000) of `split_name` of the dataset
     `config` describes; an unknown type lists the valid ones."""
-    kind = dataset_type(config.type)
-    _split_of(split_name)
-    return kind.build(config, split_name, num_samples)
+    return resolve(config).build(split_name, num_samples)

@@ -22,7 +22,7 @@ from hp_data.errors import HpDataError
 from hp_data.provenance import document_input, document_source, sample_pieces, source_text
 
 from hp_runtime.train.config import Config, load_config
-from hp_runtime.train.data import batch_plan, check_data, phased, sample_counts, split_configs
+from hp_runtime.train.data import batch_plan, check_data, resolve_data
 from hp_runtime.train.errors import TrainError
 
 TEXT_CHARS = 80  # of each record's text in the table
@@ -38,14 +38,7 @@ def run_config(run_dir: str, overrides: list[str] = ()) -> Config:  # type: igno
 def train_split(config: Config) -> Any:
     """The run's train split as it trained on it, built in this process from its config (the
     index cache it wrote is loaded, not rebuilt)."""
-    from hp_data.registry import build_dataset
-
-    plan = batch_plan(config)
-    configs = check_data(config, split_configs(config, config.train.run_dir, False))
-    part = configs["train"]
-    if part.phases:
-        return phased(part, plan, config.train.steps)
-    return build_dataset(part, "train", sample_counts(config, plan)[0])
+    return check_data(resolve_data(config, batch_plan(config), validation=False)).build("train")
 
 
 def step_samples(config: Config, step: int) -> range:

@@ -1,5 +1,6 @@
-"""A rank's set-up for a run: the layout checked, the model assembled, the data, the
-optimizer, a checkpoint resumed (or HF weights loaded), the loaders and the metrics log.
+"""A rank's set-up for a run, in the order `Setup.run` reads: the layout and the data
+resolved, the run directory held, what to resume found, the model assembled, the data built,
+the optimizer, a checkpoint resumed (or HF weights loaded), the loaders and the metrics log.
 `loop.train` calls `setup` and then runs the steps."""
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import os
 import time
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -32,9 +32,11 @@ from hp_runtime.train.data import (
     BatchPlan,
     Datasets,
     Loader,
+    RunData,
     batch_plan,
     build_datasets,
     phase_starts,
+    resolve_data,
 )
 from hp_runtime.train.dirlock import RunDirLock, hold_run_dir
 from hp_runtime.train.errors import ConfigError, TrainError
@@ -117,12 +119,12 @@ def build_assembly(
     )
 
 
-def write_config(config: Config, run_dir: str) -> None:
-    """RUN_DIR/config.toml, the resolved config, written whole or not at all."""
+def write_config(text: str, run_dir: str) -> None:
+    """RUN_DIR/config.toml, the resolved config (`to_toml`), written whole or not at all."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.toml")
     with open(path + ".tmp", "w", encoding="utf-8") as stream:
-        stream.write(to_toml(config))
+        stream.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -137,11 +139,13 @@ def phase_rates(phases: PhasePlan, model: ModelConfig) -> np.ndarray:
     return np.stack([np.cumsum(tokens), np.cumsum(tokens * per_token[inverse])], axis=1)
 
 
-def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
+def checkpoint_meta(config: Config, text: str, datasets: Datasets) -> dict[str, Any]:
+    """What every checkpoint of the run records beside its tensors: the version, the config
+    (`text`, as config.toml holds it), the data's identity and its redacted keys."""
     d = config.data
     return {
         "hp_runtime": __version__,
-        "config": to_toml(config),
+        "config": text,
         "data": {
             "fingerprint": datasets.identity,
             "config": redact_data(  # stored: a path's credentials never are
@@ -151,7 +155,7 @@ def checkpoint_meta(config: Config, datasets: Datasets) -> dict[str, Any]:
     }
 
 
-def together(outcome: TrainError | None, runtime: Runtime) -> str | None:
+def agreed(outcome: TrainError | None, runtime: Runtime) -> str | None:
     """One phase of a resume, judged on every rank alike: a refusal on any rank stops them
     all (the lowest reports it); damage on any is named by the lowest damaged rank's message
     everywhere (None: no rank found any)."""
@@ -188,14 +192,14 @@ def resume(
             outcome = None
         except TrainError as exc:
             outcome = exc
-        reason = together(outcome, runtime)
+        reason = agreed(outcome, runtime)
         if reason is None:
             try:
                 load(path, state, runtime, meta, config.model)
                 outcome = None
             except TrainError as exc:
                 outcome = exc
-            reason = together(outcome, runtime)
+            reason = agreed(outcome, runtime)
         if reason is None:
             if not checkpointer.seeds(path):
                 checkpointer.adopt(meta)
@@ -232,180 +236,260 @@ class Run:
 
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
-    """This rank's part of the run, once the layout and the paths are checked and the job
-    holds its run directory (`dirlock`: before anything is written there; `Loop.train` lets
-    it go at the end, a failure here at once)."""
-    plan = checked_plan(config, runtime)
-    check_paths(config)
-
-    def say(line: str) -> None:
-        if runtime.is_main:
-            print(line, file=stream, flush=True)
-
-    held = hold_run_dir(config.train.run_dir, runtime, stream)
-    try:
-        return _set_up(config, runtime, stream, started, plan, say, held)
-    except BaseException:
-        held.release()
-        raise
+    """This rank's part of the run (`Setup.run`)."""
+    return Setup(config, runtime, stream, started).run()
 
 
-def _set_up(
-    config: Config,
-    runtime: Runtime,
-    stream: TextIO,
-    started: float | None,
-    plan: BatchPlan,
-    say: Callable[[str], None],
-    held: RunDirLock,
-) -> Run:
-    t = config.train
-    checkpointer = Checkpointer(t.run_dir, config.checkpoint, runtime, to_toml(config))
-    failure, candidates = None, []
-    try:  # what to resume, decided before anything is written
-        candidates = checkpointer.candidates(say)
-    except CheckpointError as exc:
-        failure = exc
-    agree(failure, runtime)
-    failure = None
-    if config.model_init_from is not None and not candidates:  # before anything is built
+class Setup:
+    """One rank's set-up, step by step (`run`); each step is a few lines, and what a step
+    finds out (a refusal) every rank agrees on before the next (`agree`)."""
+
+    def __init__(
+        self, config: Config, runtime: Runtime, stream: TextIO, started: float | None
+    ) -> None:
+        self.config, self.t, self.runtime = config, config.train, runtime
+        self.stream, self.started = stream, started
+        self.text = to_toml(config)  # the resolved config, as config.toml holds it
+        self.load_seconds = 0.0
+
+    def say(self, line: str) -> None:
+        if self.runtime.is_main:
+            print(line, file=self.stream, flush=True)
+
+    def run(self) -> Run:
+        """The layout and the data resolved and the paths checked before the job holds its
+        run directory (`dirlock`: before anything is written there; `Loop.train` lets it go
+        at the end, a failure here at once)."""
+        plan = checked_plan(self.config, self.runtime)
+        check_paths(self.config)
+        data = resolve_data(self.config, plan)
+        held = hold_run_dir(self.t.run_dir, self.runtime, self.stream)
         try:
-            check_hf_config(config.model, config.model_init_from)
-        except TrainError as exc:
-            failure = exc
-        agree(failure, runtime)
-    if runtime.is_main:
-        print(f"hp-train: resolved config (also in {t.run_dir}/config.toml)", file=stream)
-        print(to_toml(config), file=stream, flush=True)
-    torch.manual_seed(t.seed)
-    loss_fn = TokenLoss(runtime.device)
-    param_dtype, autocast_dtype = precision(config, runtime.device)
-    failure = None
-    try:
-        assembly = build_assembly(config, runtime, plan, param_dtype, loss_fn)
-    except ValueError as exc:  # e.g. a schedule that cannot take this many micro-batches
-        failure = TrainError(f"parallel: {exc}")
-    except RuntimeError as exc:  # an allocation the device cannot hold: torch's own is long
-        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate" not in str(exc):
+            return self.build(plan, data, held)
+        except BaseException:
+            held.release()
             raise
-        failure = TrainError(
-            f"model: {config.model.num_params():,} parameters do not fit in this "
-            f"{runtime.device.type} rank's memory; shrink the model or shard it "
-            "(parallel.dp_shard, parallel.tp, parallel.pp)"
+
+    def build(self, plan: BatchPlan, data: RunData, held: RunDirLock) -> Run:
+        checkpointer, candidates = self.find_checkpoints()
+        self.announce()
+        assembly, loss_fn, autocast_dtype = self.assemble(plan)
+        reads = assembly.has_first_stage or assembly.has_last_stage
+        datasets = build_datasets(data, self.runtime, reads)
+        state = self.train_state(assembly, plan, datasets)
+        checkpointer.clean()
+        resumed = self.resume_or_init(checkpointer, candidates, state, datasets, assembly)
+        self.record_start(checkpointer, resumed, state, datasets.train)
+        loader, valid_loader = self.loaders(datasets, plan, assembly, state, reads)
+        stepper = Stepper(
+            assembly,
+            loss_fn,
+            plan.pp_microbatches,
+            autocast_dtype,
+            self.config.parallel.loss_parallel,
+            self.config.data.reset_position_ids,
+            datasets.eod_token if self.config.data.document_masking else None,
+            self.t.loss_chunk_tokens,
         )
-    agree(failure, runtime)
-    reads = assembly.has_first_stage or assembly.has_last_stage
-    datasets = build_datasets(config, plan, runtime, reads, t.run_dir)
-    optimizer = build_optimizer(
-        assembly.modules, config.optim, config.model.tie_embeddings, runtime.device
-    )
-    guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
-    state = TrainState(assembly.modules, optimizer, plan, guard)
-    if isinstance(datasets.train, PhasedDataset):
-        state.mixture = datasets.train.plan.state_at
-        if runtime.is_main:  # what `hp-train mix-report RUN_DIR` prints, no credential needed
-            write_record(datasets.train.plan, t.run_dir)
-    checkpointer.clean()
-    load_start = time.perf_counter()
-    resumed = resume(checkpointer, candidates, state, config, datasets, runtime, say)
-    load_seconds = time.perf_counter() - load_start
-    if resumed is not None:
-        say(
-            f"hp-train: resumed from {resumed} at step {state.step} "
-            f"({state.consumed_samples} samples consumed) in {load_seconds:.2f} s"
+        metrics = self.metrics_log(plan, datasets, stepper, resumed, state)
+        meta = checkpoint_meta(self.config, self.text, datasets)
+        return Run(
+            assembly,
+            state,
+            plan,
+            stepper,
+            loader,
+            valid_loader,
+            metrics,
+            checkpointer,
+            meta,
+            resumed,
+            held,
         )
-    elif config.model_init_from is not None:
-        failure = None
+
+    def find_checkpoints(self) -> tuple[Checkpointer, list[str]]:
+        """What to resume, decided before anything is written; HF weights to start from
+        checked before anything is built."""
+        checkpointer = Checkpointer(self.t.run_dir, self.config.checkpoint, self.runtime, self.text)
+        failure, candidates = None, []
         try:
-            init_from_hf(assembly.modules, config.model, config.model_init_from)
-        except TrainError as exc:
+            candidates = checkpointer.candidates(self.say)
+        except CheckpointError as exc:
             failure = exc
+        agree(failure, self.runtime)
+        failure = None
+        if self.config.model_init_from is not None and not candidates:
+            try:
+                check_hf_config(self.config.model, self.config.model_init_from)
+            except TrainError as exc:
+                failure = exc
+            agree(failure, self.runtime)
+        return checkpointer, candidates
+
+    def announce(self) -> None:
+        self.say(f"hp-train: resolved config (also in {self.t.run_dir}/config.toml)\n{self.text}")
+
+    def assemble(self, plan: BatchPlan) -> tuple[Assembly, TokenLoss, torch.dtype | None]:
+        """The model on this rank's device, laid out; a layout the schedule refuses, or a
+        model the device cannot hold, in one line."""
+        config, runtime = self.config, self.runtime
+        torch.manual_seed(self.t.seed)
+        loss_fn = TokenLoss(runtime.device)
+        param_dtype, autocast_dtype = precision(config, runtime.device)
+        failure, assembly = None, None
+        try:
+            assembly = build_assembly(config, runtime, plan, param_dtype, loss_fn)
+        except ValueError as exc:  # e.g. a schedule that cannot take this many micro-batches
+            failure = TrainError(f"parallel: {exc}")
+        except RuntimeError as exc:  # an allocation the device cannot hold: torch's own is long
+            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate" not in str(exc):
+                raise
+            failure = TrainError(
+                f"model: {config.model.num_params():,} parameters do not fit in this "
+                f"{runtime.device.type} rank's memory; shrink the model or shard it "
+                "(parallel.dp_shard, parallel.tp, parallel.pp)"
+            )
         agree(failure, runtime)
-        say(f"hp-train: initialised from {config.model_init_from}")
-    if runtime.is_main:  # once the run is this config's: a refused resume leaves the run's own
-        write_config(config, t.run_dir)
+        assert assembly is not None
+        return assembly, loss_fn, autocast_dtype
+
+    def train_state(self, assembly: Assembly, plan: BatchPlan, datasets: Datasets) -> TrainState:
+        config, t = self.config, self.t
+        optimizer = build_optimizer(
+            assembly.modules, config.optim, config.model.tie_embeddings, self.runtime.device
+        )
+        guard = SpikeGuard(t.spike_action, t.spike_window, t.spike_sigma)
+        state = TrainState(assembly.modules, optimizer, plan, guard)
+        if isinstance(datasets.train, PhasedDataset):
+            state.mixture = datasets.train.plan.state_at
+        return state
+
+    def resume_or_init(
+        self,
+        checkpointer: Checkpointer,
+        candidates: list[str],
+        state: TrainState,
+        datasets: Datasets,
+        assembly: Assembly,
+    ) -> str | None:
+        """The checkpoint resumed from (None: a fresh start, from `model.init_from` if given)."""
+        config, runtime = self.config, self.runtime
+        start = time.perf_counter()
+        resumed = resume(checkpointer, candidates, state, config, datasets, runtime, self.say)
+        self.load_seconds = time.perf_counter() - start
+        if resumed is not None:
+            self.say(
+                f"hp-train: resumed from {resumed} at step {state.step} "
+                f"({state.consumed_samples} samples consumed) in {self.load_seconds:.2f} s"
+            )
+        elif config.model_init_from is not None:
+            failure = None
+            try:
+                init_from_hf(assembly.modules, config.model, config.model_init_from)
+            except TrainError as exc:
+                failure = exc
+            agree(failure, runtime)
+            self.say(f"hp-train: initialised from {config.model_init_from}")
+        return resumed
+
+    def record_start(
+        self, checkpointer: Checkpointer, resumed: str | None, state: TrainState, train: Any
+    ) -> None:
+        """config.toml, metrics.jsonl and a phased run's mix-report.json (what `hp-train
+        mix-report RUN_DIR` prints, no credential needed), once the run is this config's: a
+        refused resume leaves the run's own."""
+        if not self.runtime.is_main:
+            return
+        write_config(self.text, self.t.run_dir)
+        if isinstance(train, PhasedDataset):
+            write_record(train.plan, self.t.run_dir)
         fresh = resumed is None or checkpointer.seeds(resumed)
-        aside = continue_log(t.run_dir, state.step, fresh)
+        aside = continue_log(self.t.run_dir, state.step, fresh)
         if aside is not None:
-            say(f"hp-train: a fresh start keeps the earlier metrics.jsonl as {aside}")
-    loader = valid_loader = None
-    if reads and state.step < t.steps:  # a finished run resumed has nothing left to read
+            self.say(f"hp-train: a fresh start keeps the earlier metrics.jsonl as {aside}")
+
+    def loaders(
+        self,
+        datasets: Datasets,
+        plan: BatchPlan,
+        assembly: Assembly,
+        state: TrainState,
+        reads: bool,
+    ) -> tuple[Loader | None, Loader | None]:
+        """This rank's train and validation loaders (none where it reads nothing, or where a
+        finished run was resumed)."""
+        if not reads or state.step >= self.t.steps:
+            return None, None
+        d, device, rank = self.config.data, self.runtime.device, assembly.dp_rank
         loader = Loader(
             datasets.train,
             plan,
-            assembly.dp_rank,
+            rank,
             state.consumed_samples,
-            runtime.device,
-            config.data.num_workers,
-            config.data.prefetch_factor,
+            device,
+            d.num_workers,
+            d.prefetch_factor,
         )
+        valid = None
         if datasets.valid is not None:
-            valid_loader = Loader(
-                datasets.valid, plan, assembly.dp_rank, 0, runtime.device, 0, 2, background=False
-            )
-    stepper = Stepper(
-        assembly,
-        loss_fn,
-        plan.pp_microbatches,
-        autocast_dtype,
-        config.parallel.loss_parallel,
-        config.data.reset_position_ids,
-        datasets.eod_token if config.data.document_masking else None,
-        t.loss_chunk_tokens,
-    )
-    seq, model = config.data.seq_length, config.model
-    throughput = Throughput(
-        plan,
-        seq,
-        runtime.world_size,
-        model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
-        peak_tflops(runtime.device, config.metrics.peak_tflops),
-        phase_rates(datasets.train.plan, model)
-        if isinstance(datasets.train, PhasedDataset)
-        else None,
-    )
-    metrics = MetricsLog(
-        t.run_dir,
-        runtime.is_main,
-        runtime.device,
-        t.steps,
-        throughput,
-        config.metrics.tensorboard,
-        stream,
-        started,
-        moe_layers=tuple(stepper.moe_layers),
-        moe_aux_loss=model.moe is not None and model.moe.load_balance == "aux_loss",
-        wandb=config.metrics.wandb,
-        settings=tomllib.loads(to_toml(config)),  # redacted, as config.toml is
-    )
-    if resumed is not None:
-        metrics.write(
-            {
-                "kind": "resume",
-                "step": state.step,
-                "path": resumed,
-                "load_s": load_seconds,
-                "world_size": runtime.world_size,
-            }
+            valid = Loader(datasets.valid, plan, rank, 0, device, 0, 2, background=False)
+        return loader, valid
+
+    def metrics_log(
+        self,
+        plan: BatchPlan,
+        datasets: Datasets,
+        stepper: Stepper,
+        resumed: str | None,
+        state: TrainState,
+    ) -> MetricsLog:
+        config, runtime, t = self.config, self.runtime, self.t
+        seq, model = config.data.seq_length, config.model
+        phased = isinstance(datasets.train, PhasedDataset)
+        throughput = Throughput(
+            plan,
+            seq,
+            runtime.world_size,
+            model.flops_per_token(seq),  # a MoE model's active parameters: MFU counts those
+            peak_tflops(runtime.device, config.metrics.peak_tflops),
+            phase_rates(datasets.train.plan, model) if phased else None,
         )
+        metrics = MetricsLog(
+            t.run_dir,
+            runtime.is_main,
+            runtime.device,
+            t.steps,
+            throughput,
+            config.metrics.tensorboard,
+            self.stream,
+            self.started,
+            moe_layers=tuple(stepper.moe_layers),
+            moe_aux_loss=model.moe is not None and model.moe.load_balance == "aux_loss",
+            wandb=config.metrics.wandb,
+            settings=tomllib.loads(self.text),  # redacted, as config.toml is
+        )
+        if resumed is not None:
+            metrics.write(
+                {
+                    "kind": "resume",
+                    "step": state.step,
+                    "path": resumed,
+                    "load_s": self.load_seconds,
+                    "world_size": runtime.world_size,
+                }
+            )
+        metrics.say(start_line(config, runtime, plan, datasets))
+        return metrics
+
+
+def start_line(config: Config, runtime: Runtime, plan: BatchPlan, datasets: Datasets) -> str:
+    """The start-up line: the model, the layout, the batch, the steps, the data's time."""
+    model = config.model
     active = "" if model.moe is None else f" ({model.num_params(active=True):,} active a token)"
-    metrics.say(
+    return (
         f"hp-train: {model.num_params():,} parameters{active} | {runtime.world_size} "
         f"rank(s) on {runtime.device.type} | global batch {plan.global_batch_size} = "
         f"{plan.micro_batch_size} x {plan.dp_size} data-parallel x {plan.accumulation} "
-        f"accumulation{ramp_text(plan)} | {t.steps} steps | data ready in "
+        f"accumulation{ramp_text(plan)} | {config.train.steps} steps | data ready in "
         f"{datasets.build_seconds:.2f} s"
-    )
-    return Run(
-        assembly,
-        state,
-        plan,
-        stepper,
-        loader,
-        valid_loader,
-        metrics,
-        checkpointer,
-        checkpoint_meta(config, datasets),
-        resumed,
-        held,
     )
