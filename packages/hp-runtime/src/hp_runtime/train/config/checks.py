@@ -129,32 +129,15 @@ def check_profile(metrics: MetricsConfig) -> None:
 
 
 def check_moe(config: Config) -> None:
-    """A MoE model's keys against the model and the layout (what the world size does not
-    decide; `ParallelDims.validate` checks the rest at the start)."""
-    moe, p = config.model.moe, config.parallel
-    if moe is None:
-        if p.ep > 1:
-            raise ConfigError(
-                f"parallel.ep={p.ep} needs a MoE model: set model.moe (expert parallelism "
-                "shards the experts), or parallel.ep = 1"
-            )
+    """A MoE model's keys against the model and the layout, what the world size does not
+    decide: the layout's rules as `ParallelDims` (their one home) states them, then what the
+    config's options add."""
+    p = config.parallel
+    problems = p.expert_problems(config.model)
+    if problems:
+        raise ConfigError(problems[0].text)
+    if config.model.moe is None:
         return
-    if moe.experts % p.ep:
-        raise ConfigError(
-            f"model.moe.experts={moe.experts} is not divisible by parallel.ep={p.ep}: each "
-            "expert-parallel rank holds the same number of experts"
-        )
-    if p.dp_shard % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: expert "
-            "parallelism splits the sharded data-parallel ranks and adds none; make "
-            f"parallel.dp_shard a multiple of {p.ep}"
-        )
-    if p.cp > 1:
-        raise ConfigError(
-            f"model.moe with parallel.cp={p.cp} is not supported yet: train a MoE model with "
-            "parallel.cp = 1"
-        )
     if p.ep > 1 and p.compile:
         # The experts' own FSDP unit (`parallel/fsdp.py`) inside a compiled block: dynamo
         # refuses FSDP's hooks there (torch 2.15), a traceback at the first step.
