@@ -16,6 +16,7 @@ between keys) and `paths` (the file system) on them; `values` (one value typed) 
 from hp_runtime.train.config.checks import (
     MAX_PARAMS,
     check,
+    check_layout,
     check_length,
     check_moe,
     check_phases,
@@ -88,6 +89,7 @@ __all__ = [
     "build_config",
     "build_model",
     "check",
+    "check_layout",
     "check_length",
     "check_moe",
     "check_paths",

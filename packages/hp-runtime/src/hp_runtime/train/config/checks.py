@@ -1,5 +1,6 @@
 """Relations between keys that no single key's range expresses, checked once every key is
-read; each a one-line `ConfigError` naming the keys and what to do."""
+read (`check`), and the layout against the world and device a run starts on (`check_layout`);
+each a one-line `ConfigError` naming the keys and what to do."""
 
 from __future__ import annotations
 
@@ -144,4 +145,28 @@ def check_moe(config: Config) -> None:
         raise ConfigError(
             f"parallel.compile = true with parallel.ep={p.ep} is not supported yet: set "
             "parallel.compile = false, or parallel.ep = 1 (a MoE model compiles without ep)"
+        )
+
+
+def check_layout(config: Config, world_size: int, device_type: str) -> None:
+    """The layout against the world it runs on (`ParallelDims.validate`) and the device: what
+    only the start of a run knows, where every rank finds the same errors before any work."""
+    p = config.parallel
+    try:
+        p.validate(world_size, config.model)
+    except ValueError as exc:
+        ep = "; parallel.ep adds no ranks: it splits parallel.dp_shard" if p.ep > 1 else ""
+        raise ConfigError(
+            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate{ep})"
+        ) from None
+    if p.loss_parallel and p.tp == 1:
+        raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
+    if p.pp == 1 and p.pp_virtual_stages > 1:
+        raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    if config.model.attention == "flex" and device_type == "cpu":
+        import torch  # here: loading a config needs no torch
+
+        raise ConfigError(
+            f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
+            f"FlexAttention's forward only there): use 'auto' or 'segments'"
         )
