@@ -139,18 +139,25 @@ def test_expert_parallel_layout_matches_one_process(layout):
 
 
 @pytest.mark.parametrize(
-    ("dims", "moe", "named"),
+    ("dims", "moe", "key", "named"),
     [
-        ({"dp_shard": 2, "ep": 0}, SOFTMAX_AUX, "ep=0"),
-        ({"dp_shard": 2, "ep": 4}, SOFTMAX_AUX, "ep=4 does not divide dp_shard=2"),
-        ({"dp_shard": 3, "ep": 3}, SOFTMAX_AUX, "moe.experts=8 is not divisible by ep=3"),
-        ({"dp_shard": 2, "ep": 2}, None, "ep=2 needs a MoE model"),
-        ({"dp_shard": 2, "ep": 2, "cp": 2}, SOFTMAX_AUX, "cp=2 with a MoE model"),
+        ({"dp_shard": 2, "ep": 0}, SOFTMAX_AUX, "parallel.ep", "parallel.ep=0 must be at least 1"),
+        ({"dp_shard": 2, "ep": 4}, SOFTMAX_AUX, "parallel.ep",
+         "parallel.ep=4 does not divide parallel.dp_shard=2"),
+        ({"dp_shard": 3, "ep": 3}, SOFTMAX_AUX, "model.moe.experts",
+         "model.moe.experts=8 is not divisible by parallel.ep=3"),
+        ({"dp_shard": 2, "ep": 2}, None, "parallel.ep",
+         "parallel.ep=2 needs a MoE model: set model.moe"),
+        ({"dp_shard": 2, "ep": 2, "cp": 2}, SOFTMAX_AUX, "parallel.cp",
+         "model.moe with parallel.cp=2 is not supported yet"),
     ],
-)
-def test_a_layout_expert_parallelism_cannot_run_is_refused(dims, moe, named):
+)  # fmt: skip
+def test_a_layout_expert_parallelism_cannot_run_is_refused(dims, moe, key, named):
+    """The rules are `expert_problems`'s, keyed as the config spells them; `validate` raises
+    the first (the config's check its own error, `test_config.py`)."""
     layout = ParallelDims(**dims)
     world = layout.world_size
+    assert layout.expert_problems(preset("tiny", moe=moe))[0].key == key
     with pytest.raises(ValueError, match=named):
         layout.validate(world, preset("tiny", moe=moe))
 

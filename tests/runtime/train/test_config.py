@@ -815,3 +815,28 @@ def test_data_path_from_the_file_with_phases_on_the_command_line_says_how_to_uns
     advice = message.split("unset it with ", 1)[1].split(" ")[0]
     config = load_config(example, [phases, advice])
     assert config.data.path is None and config.data.phases[0].path == "out/docstrings"
+
+
+def test_the_config_modules_import_downwards():
+    """The package's modules import only those below them (schema.py and messages.py at the
+    bottom, load.py on top, writer.py on schema.py alone): no circle, and each concern reads
+    with only what is under it."""
+    import ast
+    import pathlib
+
+    import hp_runtime.train.config as package
+
+    level = {"schema": 0, "messages": 0, "ranges": 1, "checks": 1, "paths": 1, "writer": 1}
+    level |= {"values": 2, "load": 3}
+    imports = {}
+    for path in pathlib.Path(package.__file__).parent.glob("*.py"):
+        nodes = ast.walk(ast.parse(path.read_text()))
+        modules = [n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module]
+        imports[path.stem] = {
+            m.rpartition(".")[2] for m in modules if m.startswith("hp_runtime.train.config.")
+        }
+    assert set(imports) == {"__init__", *level}  # a new module gets its level here
+    for name, below in imports.items():
+        if name != "__init__":
+            assert all(level[b] < level[name] for b in below), (name, below)
+    assert imports["writer"] == {"schema"}

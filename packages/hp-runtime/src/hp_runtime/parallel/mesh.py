@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from hp_runtime.model.config import ModelConfig
 
@@ -17,6 +17,15 @@ ORDER = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # as the degrees are wri
 # The same ranks with dp_shard split in two, (dp_shard / ep, ep): the mesh expert parameters
 # live on (`ep.py`). Stable names.
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+
+
+class LayoutProblem(NamedTuple):
+    """A layout rule broken: the key at fault, and one line that names it (as the config
+    spells it, `parallel.ep`) and says what to do. The config raises the line as its own
+    error; `validate` as a ValueError."""
+
+    key: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -55,21 +64,11 @@ class ParallelDims:
                 f"{'*'.join(ORDER)} = {product} = {self.world_size}, but the world size is "
                 f"{world_size}"
             )
-        if self.ep < 1:
-            raise ValueError(f"ep={self.ep} must be at least 1")
-        if self.dp_shard % self.ep:
-            raise ValueError(
-                f"ep={self.ep} does not divide dp_shard={self.dp_shard}: expert parallelism "
-                "splits the sharded data-parallel ranks"
-            )
+        problems = self.expert_problems(model)
+        if problems:
+            raise ValueError(problems[0].text)
         if model is None:
             return
-        if self.ep > 1 and model.moe is None:
-            raise ValueError(f"ep={self.ep} needs a MoE model (model.moe)")
-        if model.moe is not None and model.moe.experts % self.ep:
-            raise ValueError(f"moe.experts={model.moe.experts} is not divisible by ep={self.ep}")
-        if model.moe is not None and self.cp > 1:
-            raise ValueError(f"cp={self.cp} with a MoE model (model.moe) is not supported yet")
         if model.n_heads % self.tp:
             raise ValueError(f"n_heads={model.n_heads} is not divisible by tp={self.tp}")
         if model.n_kv_heads % self.tp:
@@ -78,6 +77,42 @@ class ParallelDims:
             raise ValueError(f"ffn_hidden={model.ffn_hidden} is not divisible by tp={self.tp}")
         if model.n_layers < self.pp:
             raise ValueError(f"n_layers={model.n_layers} is fewer than pp={self.pp} stages")
+
+    def expert_problems(self, model: ModelConfig | None = None) -> list[LayoutProblem]:
+        """The expert-parallel and MoE layout rules broken, first the one to fix first: their
+        one home, which the config's check (at load, for every key) and `validate` (at the
+        start, with the world size) both read. With `model` None (not known), only the rules
+        of the layout alone."""
+        ep, moe = self.ep, None if model is None else model.moe
+        if ep < 1:  # before any rule divides by it
+            return [LayoutProblem("parallel.ep", f"parallel.ep={ep} must be at least 1")]
+        problems = []
+        if model is not None and moe is None and ep > 1:
+            text = (
+                f"parallel.ep={ep} needs a MoE model: set model.moe (expert parallelism shards "
+                "the experts), or parallel.ep = 1"
+            )
+            problems.append(LayoutProblem("parallel.ep", text))
+        if moe is not None and moe.experts % ep:
+            text = (
+                f"model.moe.experts={moe.experts} is not divisible by parallel.ep={ep}: each "
+                "expert-parallel rank holds the same number of experts"
+            )
+            problems.append(LayoutProblem("model.moe.experts", text))
+        if self.dp_shard % ep:
+            text = (
+                f"parallel.ep={ep} does not divide parallel.dp_shard={self.dp_shard}: expert "
+                "parallelism splits the sharded data-parallel ranks and adds none; make "
+                f"parallel.dp_shard a multiple of {ep}"
+            )
+            problems.append(LayoutProblem("parallel.ep", text))
+        if moe is not None and self.cp > 1:
+            text = (
+                f"model.moe with parallel.cp={self.cp} is not supported yet: train a MoE model "
+                "with parallel.cp = 1"
+            )
+            problems.append(LayoutProblem("parallel.cp", text))
+        return problems
 
     @property
     def dp_size(self) -> int:

@@ -27,7 +27,7 @@ from hp_runtime.train.checkpoint import (
     load,
     read_meta,
 )
-from hp_runtime.train.config import Config, check_paths, to_toml
+from hp_runtime.train.config import Config, check_layout, check_paths, to_toml
 from hp_runtime.train.data import (
     BatchPlan,
     Datasets,
@@ -39,7 +39,7 @@ from hp_runtime.train.data import (
     resolve_data,
 )
 from hp_runtime.train.dirlock import RunDirLock, hold_run_dir
-from hp_runtime.train.errors import ConfigError, TrainError
+from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
 from hp_runtime.train.launch import Runtime, agree, lowest_message
@@ -66,23 +66,7 @@ def precision(
 def checked_plan(config: Config, runtime: Runtime) -> BatchPlan:
     """The batch plan of a layout checked against the world size: errors every rank finds
     alike, before any work."""
-    p = config.parallel
-    try:
-        p.validate(runtime.world_size, config.model)
-    except ValueError as exc:
-        ep = "; parallel.ep adds no ranks: it splits parallel.dp_shard" if p.ep > 1 else ""
-        raise ConfigError(
-            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate{ep})"
-        ) from None
-    if p.loss_parallel and p.tp == 1:
-        raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
-    if p.pp == 1 and p.pp_virtual_stages > 1:
-        raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
-    if config.model.attention == "flex" and runtime.device.type == "cpu":
-        raise ConfigError(
-            f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
-            f"FlexAttention's forward only there): use 'auto' or 'segments'"
-        )
+    check_layout(config, runtime.world_size, runtime.device.type)
     plan = batch_plan(config)
     if config.data.phases:
         phase_starts(config, plan)

@@ -1,0 +1,172 @@
+"""Relations between keys that no single key's range expresses, checked once every key is
+read (`check`), and the layout against the world and device a run starts on (`check_layout`);
+each a one-line `ConfigError` naming the keys and what to do."""
+
+from __future__ import annotations
+
+import math
+
+from hp_data.registry import dataset_type
+
+from hp_runtime.train.config.schema import Config, MetricsConfig
+from hp_runtime.train.errors import ConfigError
+
+MAX_PARAMS = 2**40  # ~1.1e12 parameters: past any dense model, far before an int64 overflows
+
+
+def check(config: Config) -> None:
+    """Relations between keys that no single range expresses (each key's own range is checked
+    as it is read, from `RANGES`)."""
+    data = config.data
+    kind = dataset_type(data.type)
+    if kind.needs_path and not data.path and not data.phases:
+        raise ConfigError(f"data.path: required for data.type = {data.type!r}")
+    if kind.needs_tokenizer and not data.tokenizer:
+        raise ConfigError(f"data.tokenizer: required for data.type = {data.type!r}")
+    check_length("data.seq_length", data.seq_length, config)
+    vocab = config.model.vocab_size
+    if data.eod_token is not None and not 0 <= data.eod_token < vocab:
+        raise ConfigError(
+            f"data.eod_token = {data.eod_token} is not a token id of model.vocab_size = {vocab}: "
+            f"give an id from 0 to {vocab - 1}"
+        )
+    optim = config.optim
+    if optim.min_lr > optim.lr:
+        raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
+    model = config.model
+    if model.num_params() > MAX_PARAMS:
+        moe = model.moe
+        experts = (
+            ""
+            if moe is None
+            else f", moe.experts={moe.experts}, moe.expert_ffn_hidden={moe.expert_ffn_hidden}, "
+            f"moe.shared_experts={moe.shared_experts}"
+        )
+        raise ConfigError(
+            f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
+            f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}"
+            f"{experts}) is more than hp-train's {MAX_PARAMS:.3g}"
+        )
+    if model.attention == "segments" and data.document_masking and config.parallel.compile:
+        raise ConfigError(
+            "model.attention = 'segments' reads document boundaries on the host, which a "
+            "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
+        )
+    check_profile(config.metrics)
+    check_moe(config)
+    check_phases(config)
+
+
+def check_length(key: str, length: int, config: Config) -> None:
+    """A sequence length (`data.seq_length`, a phase's) against the model and the layout."""
+    if length > config.model.max_seq_len:
+        raise ConfigError(
+            f"{key}={length} is longer than model.max_seq_len="
+            f"{config.model.max_seq_len}; raise model.max_seq_len or shorten the sequences"
+        )
+    cp = config.parallel.cp
+    if cp > 1 and length % (2 * cp):
+        raise ConfigError(
+            f"{key}={length} does not divide into 2 x parallel.cp = {2 * cp} "
+            f"equal chunks (context parallelism gives each rank two); make it a multiple of "
+            f"{2 * cp}"
+        )
+    tp = config.parallel.tp
+    if cp == 1 and length % tp:
+        raise ConfigError(
+            f"{key}={length} is not divisible by parallel.tp="
+            f"{tp} (sequence parallel splits the sequence)"
+        )
+    if cp > 1 and (length // cp) % tp:
+        raise ConfigError(
+            f"{key}={length} / parallel.cp={cp} = {length // cp} "
+            f"rows a context-parallel rank, not divisible by parallel.tp={tp} (sequence "
+            f"parallel splits them); make {key} a multiple of {math.lcm(2 * cp, cp * tp)}"
+        )
+
+
+def check_phases(config: Config) -> None:
+    """`[[data.phases]]` against the other keys (where each starts needs the batch plan:
+    `hp_runtime.train.data.phase_starts`)."""
+    data = config.data
+    if not data.phases:
+        return
+    if data.type != "megatron":
+        raise ConfigError(
+            f"data.phases: only with data.type = 'megatron' (each phase names a prefix or a "
+            f"blend), not {data.type!r}"
+        )
+    if data.path is not None:
+        raise ConfigError(
+            "data.path: not with data.phases, which say what trains: move it into a phase, "
+            "or unset it with data.path=none on the command line (validation reads "
+            "data.valid_path, else the first phase's valid share)"
+        )
+    for i, phase in enumerate(data.phases):
+        if phase.seq_length is not None:
+            check_length(f"data.phases[{i}].seq_length", phase.seq_length, config)
+    lengths = {phase.seq_length or data.seq_length for phase in data.phases}
+    if config.parallel.pp > 1 and len(lengths) > 1:
+        raise ConfigError(
+            f"data.phases: sequence lengths {sorted(lengths)} with parallel.pp="
+            f"{config.parallel.pp}: a pipeline's stages keep the shapes of its first step; "
+            "give every phase one seq_length, or parallel.pp = 1"
+        )
+
+
+def check_profile(metrics: MetricsConfig) -> None:
+    """A repeated profile window needs a window, and room for it before the next."""
+    every, window = metrics.profile_every, metrics.profile_steps
+    if every and window is None:
+        raise ConfigError(
+            f"metrics.profile_every={every} repeats metrics.profile_steps, which is not set: "
+            "give metrics.profile_steps = [first step, steps]"
+        )
+    if every and window is not None and every < window[1]:
+        raise ConfigError(
+            f"metrics.profile_every={every} is shorter than the window of "
+            f"metrics.profile_steps = [{window[0]}, {window[1]}]: windows would overlap"
+        )
+
+
+def check_moe(config: Config) -> None:
+    """A MoE model's keys against the model and the layout, what the world size does not
+    decide: the layout's rules as `ParallelDims` (their one home) states them, then what the
+    config's options add."""
+    p = config.parallel
+    problems = p.expert_problems(config.model)
+    if problems:
+        raise ConfigError(problems[0].text)
+    if config.model.moe is None:
+        return
+    if p.ep > 1 and p.compile:
+        # The experts' own FSDP unit (`parallel/fsdp.py`) inside a compiled block: dynamo
+        # refuses FSDP's hooks there (torch 2.15), a traceback at the first step.
+        raise ConfigError(
+            f"parallel.compile = true with parallel.ep={p.ep} is not supported yet: set "
+            "parallel.compile = false, or parallel.ep = 1 (a MoE model compiles without ep)"
+        )
+
+
+def check_layout(config: Config, world_size: int, device_type: str) -> None:
+    """The layout against the world it runs on (`ParallelDims.validate`) and the device: what
+    only the start of a run knows, where every rank finds the same errors before any work."""
+    p = config.parallel
+    try:
+        p.validate(world_size, config.model)
+    except ValueError as exc:
+        ep = "; parallel.ep adds no ranks: it splits parallel.dp_shard" if p.ep > 1 else ""
+        raise ConfigError(
+            f"parallel: {exc} (set parallel.dp_shard, cp, tp, pp, dp_replicate{ep})"
+        ) from None
+    if p.loss_parallel and p.tp == 1:
+        raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
+    if p.pp == 1 and p.pp_virtual_stages > 1:
+        raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    if config.model.attention == "flex" and device_type == "cpu":
+        import torch  # here: loading a config needs no torch
+
+        raise ConfigError(
+            f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
+            f"FlexAttention's forward only there): use 'auto' or 'segments'"
+        )
