@@ -56,7 +56,7 @@ LAUNCHERS = {
     "tests/data/preprocess/test_ray.py",
     "tests/runtime/train/test_checkpoint.py",
     "tests/runtime/train/test_cli.py",
-    "tests/runtime/train/test_run_lock.py",
+    "tests/runtime/train/test_dirlock.py",
     "tests/runtime/train/test_run_safety.py",
 }
 

@@ -23,7 +23,7 @@ from hp_runtime.parallel.ac import apply_ac
 
 from tests.helpers.distributed import run_ranks
 from tests.runtime.parity import BATCH, train
-from tests.runtime.test_parity import _compare
+from tests.runtime.parallel.test_parity import _compare
 
 EXPERTS = 8
 # The four router x balancing kinds: Mixtral/Qwen3-MoE's softmax with the auxiliary loss,

@@ -252,7 +252,7 @@ def test_an_older_cache_chunk_without_its_hash_is_replaced_quietly(tmp_path, cor
 
 def test_a_slow_download_by_another_process_is_waited_for_while_it_writes(tmp_path, corpus):
     """Another process holds chunk 0's lock for 3x the idle bound, writing its temporary file
-    all along: the wait goes on (a stuck one ends in one line: test_remote_dataset)."""
+    all along: the wait goes on (a stuck one ends in one line: test_object_store)."""
     upload_memory("slow", {"a": corpus})
     config = _config(tmp_path / "cache", remote_timeout_s=0.05)  # idle bound: 10 x 0.05 s
     remote = GPTDataset("memory://slow/a", "train", None, config).dataset.remote
