@@ -22,8 +22,8 @@ from hp_runtime.parallel import ParallelDims, init_weights
 from hp_runtime.parallel.ac import apply_ac
 
 from tests.helpers.distributed import run_ranks
-from tests.runtime.parity import BATCH, train
 from tests.runtime.parallel.test_parity import _compare
+from tests.runtime.parity import BATCH, train
 
 EXPERTS = 8
 # The four router x balancing kinds: Mixtral/Qwen3-MoE's softmax with the auxiliary loss,
