@@ -570,13 +570,9 @@ def preprocess_command(
 
     Megatron's tools/preprocess_data.py flags work as they are: --input, --output-prefix,
     --tokenizer-type, --tokenizer-model, --vocab-file, --merge-file (docs/preprocess.md)."""
-    from hp_data.pipeline import (
-        PreprocessOptions,
-        default_workers,
-        format_summary,
-        megatron_keys,
-        preprocess,
-    )
+    from hp_data.pipeline.driver import preprocess
+    from hp_data.pipeline.options import PreprocessOptions, default_workers, megatron_keys
+    from hp_data.pipeline.summary import format_summary
     from hp_data.tokenize import resolve_tokenizer
 
     corpus = corpus + inputs

@@ -26,7 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hp_data.errors import PreprocessError, first_line
-from hp_data.pipeline import PreprocessOptions, check_shardable, preprocess
+from hp_data.pipeline.driver import check_shardable, preprocess
+from hp_data.pipeline.options import PreprocessOptions
 from hp_data.plan import plan_units, shard_groups
 from hp_data.progress import Progress
 from hp_data.readers import STDIN, discover
