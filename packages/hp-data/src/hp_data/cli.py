@@ -26,7 +26,8 @@ from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
 from hp_data.plan import describe, plan_units, shard_groups
-from hp_data.readers import FORMATS, MAX_DOCUMENT_CHARS, discover
+from hp_data.readers.discovery import FORMATS, discover
+from hp_data.readers.units import MAX_DOCUMENT_CHARS
 from hp_data.redact import redact, redact_data
 from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 from hp_data.shards import merge_shards

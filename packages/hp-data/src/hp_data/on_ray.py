@@ -30,7 +30,8 @@ from hp_data.pipeline.driver import check_shardable, preprocess
 from hp_data.pipeline.options import PreprocessOptions
 from hp_data.plan import plan_units, shard_groups
 from hp_data.progress import Progress
-from hp_data.readers import STDIN, discover
+from hp_data.readers.discovery import discover
+from hp_data.readers.units import STDIN
 from hp_data.remote import is_url, set_timeout
 from hp_data.shards import merge_shards
 from hp_data.tokenize import TokenizerFiles

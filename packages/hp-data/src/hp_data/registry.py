@@ -97,7 +97,7 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     from hp_data.pipeline.driver import preprocess
     from hp_data.pipeline.options import PreprocessOptions, default_workers
     from hp_data.pipeline.worker import refuse_reentry
-    from hp_data.readers import discover
+    from hp_data.readers.discovery import discover
     from hp_data.tokenize import TokenizerFiles
 
     path = _require_path(config, tokenizer=True)

@@ -41,13 +41,9 @@ from hp_data.provenance import (
     Provenance,
     input_entry,
 )
-from hp_data.readers import (
-    STDIN,
-    Chunk,
-    WorkUnit,
-    chunks,
-    discover,
-)
+from hp_data.readers.chunking import chunks
+from hp_data.readers.discovery import discover
+from hp_data.readers.units import STDIN, Chunk, WorkUnit
 from hp_data.remote import set_timeout
 from hp_data.shards import ShardTask
 from hp_data.tokenize import TokenizerFiles, VerifiedEngine, vocab_size

@@ -9,10 +9,7 @@ from dataclasses import dataclass, field
 from hp_data.errors import PreprocessError
 from hp_data.format.dtypes import DTypeLike
 from hp_data.format.header import prefix_of
-from hp_data.readers import (
-    KEYS_OPTION,
-    MAX_DOCUMENT_CHARS,
-)
+from hp_data.readers.units import KEYS_OPTION, MAX_DOCUMENT_CHARS
 from hp_data.remote import DEFAULT_TIMEOUT
 
 

@@ -17,10 +17,8 @@ from hp_data.progress import Progress
 from hp_data.provenance import (
     DUPLICATE,
 )
-from hp_data.readers import (
-    WorkUnit,
-    location,
-)
+from hp_data.readers.parsing import location
+from hp_data.readers.units import WorkUnit
 from hp_data.remote import check_unchanged
 
 INVALID_EXAMPLES = 5

@@ -17,9 +17,7 @@ from hp_data.errors import PreprocessError
 from hp_data.format.header import bin_path, idx_path
 from hp_data.pipeline.options import PreprocessOptions
 from hp_data.pipeline.worker import _WorkerSpec
-from hp_data.readers import (
-    WorkUnit,
-)
+from hp_data.readers.units import WorkUnit
 from hp_data.redact import redact_data
 from hp_data.remote import same_file
 

@@ -23,13 +23,8 @@ from hp_data.provenance import (
     EMPTY,
     INVALID,
 )
-from hp_data.readers import (
-    KEYS_OPTION,
-    MAX_DOCUMENT_CHARS,
-    Chunk,
-    Parsed,
-    read_chunk,
-)
+from hp_data.readers.parsing import read_chunk
+from hp_data.readers.units import KEYS_OPTION, MAX_DOCUMENT_CHARS, Chunk, Parsed
 from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 from hp_data.tokenize import VerifiedEngine, frame_documents
 
