@@ -127,6 +127,16 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
     """
     if input_format is not None and input_format not in FORMATS:
         raise PreprocessError(f"unknown --input-format {input_format!r}; use one of {FORMATS}")
+    named = _named_paths(specs, input_format)
+    sources = [_whole_unit(path, input_format) for path in _read_once(named)]
+    if not sources:
+        raise PreprocessError("no input files given")
+    return sources
+
+
+def _named_paths(specs: Sequence[str], input_format: str | None) -> list[tuple[str, list[str]]]:
+    """Each input named, with the paths it stands for: a URL's or glob's matches, a
+    directory's corpus files (not a saved HF dataset's), or the path itself."""
     named: list[tuple[str, list[str]]] = []  # each input named, with the paths it stands for
     for name in specs:
         spec = local_path(name)
@@ -160,58 +170,56 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
                 paths.extend(found)
             else:
                 paths.append(match)
-    sources: list[WorkUnit] = []
-    for path in _read_once(named):
-        if path == STDIN:
-            fmt = input_format or "jsonl"
-            if fmt not in ("jsonl", "jsonl.gz"):
-                raise PreprocessError(
-                    f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
-                    "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
-                )
-            sources.append(WorkUnit(path, fmt, 0, time.time_ns()))
-            continue
-        if is_url(path):
-            fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
-            if fmt is None or fmt.startswith("hf"):
-                raise PreprocessError(
-                    f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
-                    "name its format with --input-format"
-                )
-            pin = identify(path)
-            sources.append(WorkUnit(path, fmt, pin.size, pin.number, pin=pin))
-            continue
-        if os.path.isdir(path):
-            if input_format == "hf":
-                fmt = "hf"
-            elif any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS):
-                fmt = "hf-saved"
-            else:
-                raise PreprocessError(
-                    f"{path}: not a saved HF dataset (no state.json); "
-                    f"use --input-format hf to load it with datasets.load_dataset"
-                )
-            size, mtime = _tree_size(path)
-            pin = None
+    return named
+
+
+def _whole_unit(path: str, input_format: str | None) -> WorkUnit:
+    """One input as a whole work unit, with its format, size and pin."""
+    if path == STDIN:
+        fmt = input_format or "jsonl"
+        if fmt not in ("jsonl", "jsonl.gz"):
+            raise PreprocessError(
+                f"standard input (-) can be read as jsonl or jsonl.gz, not {fmt}; "
+                "decompress it into the pipe (e.g. zstd -dc FILE | hp-data preprocess -)"
+            )
+        return WorkUnit(path, fmt, 0, time.time_ns())
+    if is_url(path):
+        fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
+        if fmt is None or fmt.startswith("hf"):
+            raise PreprocessError(
+                f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
+                "name its format with --input-format"
+            )
+        pin = identify(path)
+        return WorkUnit(path, fmt, pin.size, pin.number, pin=pin)
+    if os.path.isdir(path):
+        if input_format == "hf":
+            fmt = "hf"
+        elif any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS):
+            fmt = "hf-saved"
         else:
-            fmt = input_format or _suffix_format(path)
-            if input_format is not None and input_format.startswith("hf"):
-                raise PreprocessError(
-                    f"{path}: --input-format {input_format} reads a directory (an HF dataset), "
-                    f"and this is a file; use --input-format jsonl or parquet, or none"
-                )
-            if fmt is None or fmt.startswith("hf"):
-                raise PreprocessError(
-                    f"{path}: cannot tell the format from the name; name it with --input-format"
-                )
-            stat = os.stat(path)
-            if not S_ISREG(stat.st_mode):
-                raise PreprocessError(
-                    f"{path}: not a regular file (a pipe or a device has no size to split or "
-                    f"resume by); give its contents on standard input as -"
-                )
-            size, mtime, pin = stat.st_size, stat.st_mtime_ns, Pin.of_stat(stat)
-        sources.append(WorkUnit(path, fmt, size, mtime, pin=pin))
-    if not sources:
-        raise PreprocessError("no input files given")
-    return sources
+            raise PreprocessError(
+                f"{path}: not a saved HF dataset (no state.json); "
+                f"use --input-format hf to load it with datasets.load_dataset"
+            )
+        size, mtime = _tree_size(path)
+        pin = None
+    else:
+        fmt = input_format or _suffix_format(path)
+        if input_format is not None and input_format.startswith("hf"):
+            raise PreprocessError(
+                f"{path}: --input-format {input_format} reads a directory (an HF dataset), "
+                f"and this is a file; use --input-format jsonl or parquet, or none"
+            )
+        if fmt is None or fmt.startswith("hf"):
+            raise PreprocessError(
+                f"{path}: cannot tell the format from the name; name it with --input-format"
+            )
+        stat = os.stat(path)
+        if not S_ISREG(stat.st_mode):
+            raise PreprocessError(
+                f"{path}: not a regular file (a pipe or a device has no size to split or "
+                f"resume by); give its contents on standard input as -"
+            )
+        size, mtime, pin = stat.st_size, stat.st_mtime_ns, Pin.of_stat(stat)
+    return WorkUnit(path, fmt, size, mtime, pin=pin)
