@@ -31,6 +31,20 @@ def mix_report(plan: PhasePlan) -> dict[str, Any]:
     """Per phase and stream: samples, tokens, epochs touched, repeats (samples past the
     stream's first epoch); per stream, the step at which it enters each epoch after the
     first. The JSON of `hp-train mix-report --json` (fields in docs/training.md)."""
+    phases = _phase_entries(plan)
+    streams = _stream_entries(plan)
+    tokens = sum(phase["tokens"] for phase in phases)
+    return {
+        "steps": plan.steps,
+        "samples": plan.total_samples,
+        "tokens": tokens,
+        "phases": phases,
+        "streams": streams,
+    }
+
+
+def _phase_entries(plan: PhasePlan) -> list[dict[str, Any]]:
+    """The report's `phases`: each phase's steps, samples and tokens, and its streams' shares."""
     phases = []
     for p, members in enumerate(plan.members):
         rows = []
@@ -69,6 +83,11 @@ def mix_report(plan: PhasePlan) -> dict[str, Any]:
                 "streams": rows,
             }
         )
+    return phases
+
+
+def _stream_entries(plan: PhasePlan) -> list[dict[str, Any]]:
+    """The report's `streams`: each stream's demand over the run, and where it wraps."""
     total = plan.consumed(plan.total_samples)
     streams = []
     for c, stream in enumerate(plan.streams):
@@ -102,14 +121,7 @@ def mix_report(plan: PhasePlan) -> dict[str, Any]:
                 "wraps": wraps,
             }
         )
-    tokens = sum(phase["tokens"] for phase in phases)
-    return {
-        "steps": plan.steps,
-        "samples": plan.total_samples,
-        "tokens": tokens,
-        "phases": phases,
-        "streams": streams,
-    }
+    return streams
 
 
 def report_table(report: dict[str, Any]) -> str:
