@@ -9,11 +9,11 @@ import pytest
 from hp_data.blend import build_split
 from hp_data.errors import HpDataError
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.phase_report import mix_report
 from hp_data.phases import (
     Phase,
     PhaseError,
     build_phased,
-    mix_report,
     plan_phases,
     resolve_starts,
     state_change,

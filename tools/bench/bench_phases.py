@@ -23,7 +23,8 @@ import numpy as np
 from hp_data import IndexedDatasetBuilder
 from hp_data.blend import build_split
 from hp_data.gpt import GPTDatasetConfig
-from hp_data.phases import Phase, build_phased, mix_report, plan_phases
+from hp_data.phase_report import mix_report
+from hp_data.phases import Phase, build_phased, plan_phases
 
 
 def corpus(prefix: str, documents: int, seed: int) -> str:

@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 from hp_data import IndexedDataset, PreprocessError
-from hp_data.readers import discover
+from hp_data.readers.discovery import discover
 
 from tests.helpers.corpus_files import WRITERS, english_records, write_jsonl, write_parquet
 from tests.helpers.run import HP_DATA, read_bytes, run_preprocess

@@ -10,7 +10,7 @@ import sys
 import fsspec
 import pytest
 from hp_data import PreprocessError
-from hp_data.readers import discover
+from hp_data.readers.discovery import discover
 from hp_data.remote import _filesystem, identify
 
 from tests.helpers.corpus_files import english_records, write_jsonl, write_parquet

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # tokenizers and multiprocessing, which the other commands never need.
 _PIPELINE = ("preprocess", "PreprocessOptions", "PreprocessSummary")
 # Data-mixture phases, likewise on first use (they bring the GPT and blend modules).
-_PHASES = ("Phase", "PhasedDataset", "build_phased", "mix_report", "plan_phases")
+_PHASES = ("Phase", "PhasedDataset", "build_phased", "plan_phases")
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from hp_data import phases
 
         return getattr(phases, name)
+    if name == "mix_report":
+        from hp_data.phase_report import mix_report
+
+        return mix_report
     raise AttributeError(f"module 'hp_data' has no attribute {name!r}")
 
 

@@ -110,6 +110,39 @@ def epoch_samples(prefix: str, split_name: str, config: GPTDatasetConfig) -> int
         return _split_plan(dataset, split_name, None, config)[2].num_samples
 
 
+def _check_request(split_name: str, config: GPTDatasetConfig) -> None:
+    """Refuse a split or a config that no GPTDataset can be built for."""
+    if split_name not in SPLITS:
+        raise HpDataError(f"split {split_name!r}: use one of {', '.join(SPLITS)}")
+    if config.seq_length < 2:
+        raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
+    if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
+        raise HpDataError("eod_mask_loss and reset_position_ids need the EOD token id")
+
+
+def _index_problem(arrays: dict[str, np.ndarray], plan: Any, span: tuple[int, int]) -> str | None:
+    """What is wrong with a split's cached index arrays (`plan`'s dtypes, the sequences
+    `span`), if anything: relations between the arrays, from their shapes and ends: cheap on
+    any size."""
+    document, sample, shuffle = (
+        arrays[n] for n in ("document_index", "sample_index", "shuffle_index")
+    )
+    found = {name: array.dtype.name for name, array in arrays.items()}
+    if found != plan.dtypes:
+        return f"dtypes {found}, expected {plan.dtypes}"
+    documents = span[1] - span[0]
+    if document.ndim != 1 or (len(document) % documents if documents else len(document)):
+        return f"document_index of {len(document)} is not whole epochs of {documents}"
+    if sample.ndim != 2 or sample.shape[1] != 2 or shuffle.shape != (len(sample) - 1,):
+        return f"sample_index {sample.shape} and shuffle_index {shuffle.shape} disagree"
+    ends = [(sample[-1, 0], (0, len(document) + 1))]
+    ends += [(d, span) for d in document[[0, -1]]] if len(document) else []
+    ends += [(i, (0, len(shuffle))) for i in shuffle[[0, -1]]] if len(shuffle) else []
+    if not all(low <= int(value) < high for value, (low, high) in ends):
+        return "an index value out of range"
+    return None
+
+
 class GPTDataset:
     """Fixed-length samples of `config.seq_length` tokens drawn from one split of a corpus.
 
@@ -124,12 +157,7 @@ class GPTDataset:
         num_samples: int | None,
         config: GPTDatasetConfig,
     ) -> None:
-        if split_name not in SPLITS:
-            raise HpDataError(f"split {split_name!r}: use one of {', '.join(SPLITS)}")
-        if config.seq_length < 2:
-            raise HpDataError(f"seq_length must be at least 2, got {config.seq_length}")
-        if config.eod_token is None and (config.eod_mask_loss or config.reset_position_ids):
-            raise HpDataError("eod_mask_loss and reset_position_ids need the EOD token id")
+        _check_request(split_name, config)
         opened = not isinstance(dataset, IndexedDataset)
         store = StoreOptions.of(config)
         self.dataset = IndexedDataset(dataset, store=store) if opened else dataset
@@ -176,26 +204,6 @@ class GPTDataset:
                 ) from None
             return {"document_index": document, "sample_index": sample, "shuffle_index": shuffle}
 
-        def check(arrays: dict[str, np.ndarray]) -> str | None:
-            """Relations between the arrays, from their shapes and ends: cheap on any size."""
-            document, sample, shuffle = (
-                arrays[n] for n in ("document_index", "sample_index", "shuffle_index")
-            )
-            found = {name: array.dtype.name for name, array in arrays.items()}
-            if found != plan.dtypes:
-                return f"dtypes {found}, expected {plan.dtypes}"
-            documents = span[1] - span[0]
-            if document.ndim != 1 or (len(document) % documents if documents else len(document)):
-                return f"document_index of {len(document)} is not whole epochs of {documents}"
-            if sample.ndim != 2 or sample.shape[1] != 2 or shuffle.shape != (len(sample) - 1,):
-                return f"sample_index {sample.shape} and shuffle_index {shuffle.shape} disagree"
-            ends = [(sample[-1, 0], (0, len(document) + 1))]
-            ends += [(d, span) for d in document[[0, -1]]] if len(document) else []
-            ends += [(i, (0, len(shuffle))) for i in shuffle[[0, -1]]] if len(shuffle) else []
-            if not all(low <= int(value) < high for value, (low, high) in ends):
-                return "an index value out of range"
-            return None
-
         arrays, self.cache_report = load_or_build(
             config.cache_dir,
             description,
@@ -203,7 +211,7 @@ class GPTDataset:
             split_name,
             ("document_index", "sample_index", "shuffle_index"),
             build,
-            check,
+            lambda arrays: _index_problem(arrays, plan, span),
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]

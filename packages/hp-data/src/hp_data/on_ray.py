@@ -26,10 +26,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hp_data.errors import PreprocessError, first_line
-from hp_data.pipeline import PreprocessOptions, check_shardable, preprocess
+from hp_data.pipeline.driver import check_shardable, preprocess
+from hp_data.pipeline.options import PreprocessOptions
 from hp_data.plan import plan_units, shard_groups
 from hp_data.progress import Progress
-from hp_data.readers import STDIN, discover
+from hp_data.readers.discovery import discover
+from hp_data.readers.units import STDIN
 from hp_data.remote import is_url, set_timeout
 from hp_data.shards import merge_shards
 from hp_data.tokenize import TokenizerFiles

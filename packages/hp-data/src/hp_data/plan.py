@@ -24,7 +24,7 @@ from typing import Any
 import xxhash
 
 from hp_data.errors import PreprocessError
-from hp_data.readers import STDIN, WorkUnit
+from hp_data.readers.units import STDIN, WorkUnit
 from hp_data.redact import redact
 from hp_data.remote import is_url, open_pinned
 

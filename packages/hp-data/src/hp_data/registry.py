@@ -94,8 +94,10 @@ def _tokenized(config: DatasetConfig, input_format: str | None) -> tuple[str, in
     """Tokenize `config.path` once into the index cache (under its key's lock); the prefix
     and EOD id."""
     # Imported here: the pipeline (tokenizers, worker pools) is for these two types only.
-    from hp_data.pipeline import PreprocessOptions, default_workers, preprocess, refuse_reentry
-    from hp_data.readers import discover
+    from hp_data.pipeline.driver import preprocess
+    from hp_data.pipeline.options import PreprocessOptions, default_workers
+    from hp_data.pipeline.worker import refuse_reentry
+    from hp_data.readers.discovery import discover
     from hp_data.tokenize import TokenizerFiles
 
     path = _require_path(config, tokenizer=True)

@@ -281,7 +281,7 @@ def mix_report_command(config_path: str | None, as_json: bool, args: tuple[str, 
     import json
 
     from hp_data.errors import HpDataError
-    from hp_data.phases import report_table
+    from hp_data.phase_report import report_table
 
     from hp_runtime.train.data import mixture_report
     from hp_runtime.train.errors import ConfigError, TrainError

@@ -27,7 +27,8 @@ from hp_data.errors import HpDataError
 from hp_data.format.commit import recover
 from hp_data.format.header import prefix_of
 from hp_data.object_store import StoreOptions, exists, is_url
-from hp_data.phases import build_phased, mix_report, plan_phases, resolve_starts
+from hp_data.phase_report import mix_report
+from hp_data.phases import build_phased, plan_phases, resolve_starts
 from hp_data.read_ahead import ReadAhead
 from hp_data.registry import DataSource, resolve
 from hp_data.sampler import PretrainingSampler
@@ -438,7 +439,7 @@ def phase_starts(config: Config, plan: BatchPlan) -> list[int]:
 
 
 def mixture_report(config: Config) -> dict[str, Any]:
-    """`hp-train mix-report`: `hp_data.phases.mix_report` of the config's phases, counted
+    """`hp-train mix-report`: `hp_data.phase_report.mix_report` of the config's phases, counted
     as the run counts them (its batch plan, its index cache) without reading a token."""
     if not config.data.phases:
         raise ConfigError(

@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 from hp_data.blend import parse_blend
-from hp_data.phases import PhasePlan, mix_report
+from hp_data.phase_report import mix_report
+from hp_data.phases import PhasePlan
 from hp_data.redact import MASK
 
 from hp_runtime.train import storage
