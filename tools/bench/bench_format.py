@@ -15,6 +15,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,18 @@ def row(what: str, hp: float, reference: float) -> None:
     print(
         f"{what:<40} hp {hp:8.4f} s   megatron {reference:8.4f} s   speed-up {reference / hp:5.2f}x"
     )
+
+
+def open_index(big: str, sequences: int, megatron: Any) -> None:
+    """Opening an index of `sequences` one-token sequences, checked and not, against Megatron."""
+    from hp_data import IndexedDataset, IndexedDatasetBuilder
+
+    with IndexedDatasetBuilder(big, np.uint16) as builder:
+        builder.add_documents(np.zeros(sequences, np.uint16), np.ones(sequences, np.int64))
+    reference = timed(lambda: megatron.IndexedDataset(big))
+    label = f"open {sequences:,}-sequence index"
+    row(f"{label}, checked", timed(lambda: IndexedDataset(big)), reference)
+    row(f"{label}, validate=False", timed(lambda: IndexedDataset(big, validate=False)), reference)
 
 
 def main() -> None:
@@ -85,19 +98,7 @@ def main() -> None:
                 assert filecmp.cmp(mine + suffix, theirs + suffix, shallow=False), suffix
         print("bytes: hp and megatron files are identical")
 
-        big = f"{tmp}/big"
-        with IndexedDatasetBuilder(big, np.uint16) as builder:
-            builder.add_documents(
-                np.zeros(args.open_sequences, np.uint16), np.ones(args.open_sequences, np.int64)
-            )
-        reference = timed(lambda: megatron.IndexedDataset(big))
-        label = f"open {args.open_sequences:,}-sequence index"
-        row(f"{label}, checked", timed(lambda: IndexedDataset(big)), reference)
-        row(
-            f"{label}, validate=False",
-            timed(lambda: IndexedDataset(big, validate=False)),
-            reference,
-        )
+        open_index(f"{tmp}/big", args.open_sequences, megatron)
 
         picks = rng.integers(0, args.documents, args.reads).tolist()
         for mmap in (True, False):

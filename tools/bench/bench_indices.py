@@ -190,6 +190,29 @@ def _npy_bytes(directory: str) -> dict[str, int]:
     return out
 
 
+def _gpt_build(side: str, work: str, lengths_prefix: str) -> dict:
+    """A GPTDataset built into an empty cache (hp: and reloaded warm): time, memory, dtypes."""
+    result: dict = {}
+    cache = tempfile.mkdtemp(dir=work)
+    if side == "hp":
+        from hp_data.gpt import GPTDataset, GPTDatasetConfig
+
+        config = GPTDatasetConfig(seq_length=4096, split="1,0,0", cache_dir=cache)
+        build = lambda: GPTDataset(lengths_prefix, "train", None, config)  # noqa: E731
+        result["seconds"], result["peak_mb"], dataset = measure(build)
+        result["warm_reload_seconds"] = min(measure(build)[0] for _ in range(3))
+    else:
+        result["seconds"], result["peak_mb"], dataset = measure(
+            megatron_gpt(lengths_prefix, 4096, cache)
+        )
+    result["dtypes"] = {
+        name: str(getattr(dataset, name).dtype)
+        for name in ("document_index", "sample_index", "shuffle_index")
+    }
+    result["cache_bytes"] = _npy_bytes(cache)
+    return result
+
+
 def run_case(case: str, side: str, work: str, sequences: int) -> dict:
     warnings.simplefilter("ignore")
     lengths_prefix, tokens_prefix = f"{work}/lengths", f"{work}/tokens"
@@ -223,23 +246,7 @@ def run_case(case: str, side: str, work: str, sequences: int) -> dict:
             side, lambda index: index.build_blending_indices(weights, BLEND_SIZE), megatron_call
         )
     elif case == "gpt_build":
-        cache = tempfile.mkdtemp(dir=work)
-        if side == "hp":
-            from hp_data.gpt import GPTDataset, GPTDatasetConfig
-
-            config = GPTDatasetConfig(seq_length=4096, split="1,0,0", cache_dir=cache)
-            build = lambda: GPTDataset(lengths_prefix, "train", None, config)  # noqa: E731
-            result["seconds"], result["peak_mb"], dataset = measure(build)
-            result["warm_reload_seconds"] = min(measure(build)[0] for _ in range(3))
-        else:
-            result["seconds"], result["peak_mb"], dataset = measure(
-                megatron_gpt(lengths_prefix, 4096, cache)
-            )
-        result["dtypes"] = {
-            name: str(getattr(dataset, name).dtype)
-            for name in ("document_index", "sample_index", "shuffle_index")
-        }
-        result["cache_bytes"] = _npy_bytes(cache)
+        result = _gpt_build(side, work, lengths_prefix)
     elif case == "build_index_megatron":  # the child that build_index_cli times
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
