@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,6 +40,7 @@ from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.dtypes import DTypeLike, as_token_dtype, optimal_dtype
 from hp_data.format.header import bin_path, idx_path, prefix_of
 from hp_data.format.metadata import SCHEMA as METADATA_SCHEMA
+from hp_data.fs import AtomicFile, committing, write_json
 from hp_data.plan import plan_units
 from hp_data.progress import Progress, human
 from hp_data.provenance import (
@@ -363,11 +364,7 @@ class _WorkDir:
     def record(self, unit: WorkUnit, stats: _UnitStats) -> None:
         self.manifest["shards"].append({"identity": unit.identity, "stats": stats.__dict__})
         target = os.path.join(self.path, "manifest.json")
-        with open(target + ".tmp", "w", encoding="utf-8") as stream:
-            json.dump(redact_data(self.manifest), stream)  # no credential is ever stored
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(target + ".tmp", target)
+        write_json(target, redact_data(self.manifest))  # no credential is ever stored
 
     def remove(self) -> None:
         # The manifest goes first: a kill inside rmtree leaves nothing a rerun would reuse.
@@ -752,7 +749,7 @@ class _Run:
         self.seen, self.progress, self.skip_invalid = seen, progress, skip_invalid
         self.current: int | None = None
         self.builders: list[IndexedDatasetBuilder] = []
-        self.hashes: BinaryIO | None = None  # kept hashes of the current unit, spilled
+        self.hashes: AtomicFile | None = None  # kept hashes of the current unit, spilled
         self.skipped: list[tuple[np.ndarray, np.ndarray]] = []  # the unit's, per chunk
         self.stats = _UnitStats()
         self.done_bytes = progress.already
@@ -767,7 +764,7 @@ class _Run:
             for key in self.keys
         ]
         if self.seen is not None:
-            self.hashes = open(self.workdir.hashes_path(index) + ".tmp", "wb")  # noqa: SIM115
+            self.hashes = AtomicFile(self.workdir.hashes_path(index))
         self.stats = _UnitStats(tokens=dict.fromkeys(self.keys, 0))
         self.skipped = []
 
@@ -803,7 +800,7 @@ class _Run:
                 tokens = [t[np.repeat(fresh, n)] for t, n in zip(tokens, lengths, strict=True)]
                 lengths = [n[fresh] for n in lengths]
                 dropped, reasons = _with_duplicates(dropped, reasons, result.lines, fresh)
-            self.hashes.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
+            self.hashes.file.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
         if dropped is not None and len(dropped):
             self.skipped.append((dropped + before, reasons))  # type: ignore[arg-type]
         for key, builder, key_tokens, key_lengths in zip(
@@ -830,17 +827,14 @@ class _Run:
         for builder in self.builders:
             builder.finalize()
         target = self.workdir.skipped_path(index)
-        with open(target + ".tmp", "wb") as stream:
+        with committing(target) as stream:
             for offsets, _ in self.skipped:
                 stream.write(offsets.astype("<i8").tobytes())
             for _, reasons in self.skipped:
                 stream.write(reasons.tobytes())
-        os.replace(target + ".tmp", target)
         self.skipped = []
         if self.hashes is not None:
-            self.hashes.close()
-            target = self.workdir.hashes_path(index)
-            os.replace(target + ".tmp", target)
+            self.hashes.commit()
             self.hashes = None
         self.workdir.record(unit, self.stats)
         self.builders = []
@@ -850,7 +844,7 @@ class _Run:
         for builder in self.builders:
             builder.abort()
         if self.hashes is not None:
-            self.hashes.close()
+            self.hashes.discard()
 
 
 def _with_duplicates(

@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from hp_data.errors import PreprocessError, first_line
+from hp_data.errors import PreprocessError
+from hp_data.fs import first_line
 from hp_data.redact import redact
 from hp_data.remote import (
     Pin,

@@ -36,6 +36,7 @@ from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of, sources_path
 from hp_data.format.metadata import read_metadata, shared_metadata
 from hp_data.format.reader import IndexedDataset
+from hp_data.fs import committing, write_bytes
 from hp_data.plan import plan_fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
 from hp_data.provenance import Provenance, read_provenance
@@ -98,15 +99,6 @@ def _checksum_problem(
             f"recorded {expected['xxh3_128']})"
         )
     return None
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -176,15 +168,11 @@ class ShardTask:
         hashes = None
         if unit_hashes is not None:
             hashes = self.prefix + ".hashes"
-            tmp = f"{hashes}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as out:
+            with committing(hashes) as out:
                 for path in unit_hashes:
                     with open(path, "rb") as source:
                         while block := source.read(16 << 20):
                             out.write(block)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, hashes)
         manifest = {
             "version": MANIFEST_VERSION,
             "config": self.config,
@@ -205,7 +193,7 @@ class ShardTask:
             "summary": summary,
         }
         # No credential is ever stored: a URL is named as `redact` prints it.
-        _write_atomic(self.manifest_path, json.dumps(redact_data(manifest), indent=1).encode())
+        write_bytes(self.manifest_path, json.dumps(redact_data(manifest), indent=1).encode())
 
 
 def _files_ok(manifest: dict[str, Any]) -> bool:
