@@ -21,10 +21,12 @@ from hp_data.blend import (
     parse_blend,
     split_sample_counts,
 )
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import ArgumentError, HpDataError
-from hp_data.format import IndexedDataset, expand_prefixes, merge_datasets
+from hp_data.format import expand_prefixes
 from hp_data.format.validate import dataset_problems
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDatasetConfig
+from hp_data.merge import merge_datasets
 from hp_data.plan import describe, plan_units, shard_groups
 from hp_data.readers import FORMATS, MAX_DOCUMENT_CHARS, discover
 from hp_data.redact import redact, redact_data

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from hp_data import __version__
 from hp_data.dedup import HashSet, hash_texts
 from hp_data.errors import PreprocessError
 from hp_data.fast_bpe import compare, pick
@@ -69,6 +68,7 @@ from hp_data.redact import redact_data
 from hp_data.remote import DEFAULT_TIMEOUT, check_unchanged, set_timeout
 from hp_data.shards import ShardTask
 from hp_data.tokenize import TokenizerFiles, VerifiedEngine, frame_documents, vocab_size
+from hp_data.version import __version__
 
 MANIFEST_VERSION = 1
 INVALID_EXAMPLES = 5

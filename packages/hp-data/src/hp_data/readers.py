@@ -54,7 +54,7 @@ SUFFIXES = {
     ".parquet": "parquet",
 }
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf-saved", "hf")
-_HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
+HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
 ROWS_PER_CHUNK = 4096
 # How messages name the setting that chooses the keys: the CLI's flag, unless a caller that
 # configures them otherwise (hp-train's data.text_key) passes its own name.
@@ -142,10 +142,10 @@ def _files_in(directory: str) -> list[str]:
 
 def _corpus_format(name: str) -> str | None:
     """The format of a file a directory holds, or None when it is no corpus."""
-    return None if name.endswith(HP_METADATA) else _suffix_format(name)
+    return None if name.endswith(HP_METADATA) else suffix_format(name)
 
 
-def _suffix_format(name: str) -> str | None:
+def suffix_format(name: str) -> str | None:
     lowered = name.lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if lowered.endswith(suffix):
@@ -238,7 +238,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
             if not os.path.exists(match):
                 raise PreprocessError(f"{match}: no such file or directory")
             is_dataset_dir = input_format in ("hf", "hf-saved") or any(
-                os.path.exists(os.path.join(match, m)) for m in _HF_SAVED_MARKERS
+                os.path.exists(os.path.join(match, m)) for m in HF_SAVED_MARKERS
             )
             if os.path.isdir(match) and not is_dataset_dir:
                 found = _files_in(match)
@@ -261,7 +261,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
             sources.append(WorkUnit(path, fmt, 0, time.time_ns()))
             continue
         if is_url(path):
-            fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
+            fmt = input_format or suffix_format(path.split("?", 1)[0])  # a presigned query
             if fmt is None or fmt.startswith("hf"):
                 raise PreprocessError(
                     f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
@@ -273,7 +273,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
         if os.path.isdir(path):
             if input_format == "hf":
                 fmt = "hf"
-            elif any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS):
+            elif any(os.path.exists(os.path.join(path, m)) for m in HF_SAVED_MARKERS):
                 fmt = "hf-saved"
             else:
                 raise PreprocessError(
@@ -283,7 +283,7 @@ def discover(specs: Sequence[str], input_format: str | None = None) -> list[Work
             size, mtime = _tree_size(path)
             pin = None
         else:
-            fmt = input_format or _suffix_format(path)
+            fmt = input_format or suffix_format(path)
             if input_format is not None and input_format.startswith("hf"):
                 raise PreprocessError(
                     f"{path}: --input-format {input_format} reads a directory (an HF dataset), "
@@ -480,7 +480,7 @@ def _stream_blocks(
         yield Chunk(index, unit.path, unit.format, blob=carry, input_bytes=rest)
 
 
-def _require(module: str, extra: str) -> Any:
+def require(module: str, extra: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
@@ -492,7 +492,7 @@ def _require(module: str, extra: str) -> Any:
 def _parquet_rows(
     index: int, unit: WorkUnit, keys: Sequence[str], keys_option: str = KEYS_OPTION
 ) -> Iterator[Chunk]:
-    parquet = _require("pyarrow.parquet", "parquet")
+    parquet = require("pyarrow.parquet", "parquet")
     with open_pinned(unit.path, unit.pin, "a Parquet file") as stream:
         source = stream if is_url(unit.path) else unit.path  # pyarrow's own reads, locally
         try:
@@ -554,7 +554,7 @@ def load_hf_dataset(
     progress bars `datasets` draws while it converts files."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    datasets = _require("datasets", "hf")
+    datasets = require("datasets", "hf")
     was_enabled = not datasets.are_progress_bars_disabled()
     if quiet:
         datasets.disable_progress_bars()
@@ -778,12 +778,12 @@ def location(unit: WorkUnit, line: int) -> str:
         return f"<stdin>:{line}"
     name = redact(unit.path)  # kept in manifests and summaries (invalid_examples)
     if unit.format.startswith("jsonl"):
-        return f"{name}:{_lines_before(unit.path, unit.start, unit.pin) + line}"
+        return f"{name}:{lines_before(unit.path, unit.start, unit.pin) + line}"
     return f"{name}: row {unit.first_row + line}"
 
 
 @functools.lru_cache(maxsize=64)
-def _lines_before(path: str, offset: int, pin: Pin | None) -> int:
+def lines_before(path: str, offset: int, pin: Pin | None) -> int:
     """Lines of `path` before byte `offset` (a line start): counted only when a part that
     starts inside a file reports a line, so runs without errors never pay for it."""
     if offset == 0:

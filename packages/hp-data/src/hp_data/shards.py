@@ -27,15 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from hp_data.dataset import IndexedDataset
 from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
+from hp_data.format.blocks import file_record
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of, sources_path
 from hp_data.format.metadata import read_metadata, shared_metadata
-from hp_data.format.reader import IndexedDataset
 from hp_data.fs import committing, write_bytes
 from hp_data.plan import plan_fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
@@ -46,19 +46,6 @@ from hp_data.redact import redact_data
 MANIFEST_VERSION = 2  # 2 added `files`, the size and checksum of each file of the shard
 _NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
 _FIELDS = {"version", "config", "plan", "units", "total_units", "outputs", "hashes", "summary"}
-_READ = 16 << 20
-
-
-def file_record(path: str, on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """`{"bytes", "xxh3_128"}` of the file at `path`, read once in 16 MiB blocks."""
-    digest, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as stream:
-        while block := stream.read(_READ):
-            digest.update(block)
-            size += len(block)
-            if on_bytes is not None:
-                on_bytes(len(block))
-    return {"bytes": size, "xxh3_128": digest.hexdigest()}
 
 
 def _shard_files(outputs: dict[str, str], hashes: str | None) -> list[str]:

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from hp_data.cache import cache_key, resolve_cache_dir
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import HpDataError
 from hp_data.format.header import drop_pages
 from hp_data.format.metadata import read_metadata
-from hp_data.format.reader import IndexedDataset
 from hp_data.fs import write_json
 from hp_data.gpt import corpus_fingerprint
 from hp_data.object_store import StoreOptions, is_url
