@@ -23,8 +23,8 @@ from click.testing import CliRunner
 from hp_data import IndexedDatasetBuilder
 from hp_data.cli import main
 from hp_data.errors import HpDataError
-from hp_data.format.merge import merge_datasets
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.merge import merge_datasets
 from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 
 from tests.helpers.fault_http import Faults, fault_server

@@ -26,8 +26,8 @@ from click.testing import CliRunner
 from hp_data import HpDataError, IndexedDataset
 from hp_data.blend import BlendableDataset
 from hp_data.cli import main
-from hp_data.format.merge import merge_datasets
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_data.merge import merge_datasets
 from hp_data.provenance import (
     ProvenanceError,
     document_input,

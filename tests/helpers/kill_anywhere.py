@@ -151,7 +151,7 @@ def _merge_job(
     root: Path, tokenizer: str, over_old: bool = True
 ) -> tuple[Callable[[], None], Outputs]:
     from hp_data import IndexedDatasetBuilder
-    from hp_data.format.merge import merge_datasets
+    from hp_data.merge import merge_datasets
 
     rng = np.random.default_rng(0)
     for name in ("x", "y", "z"):
@@ -171,7 +171,7 @@ def _merge_job(
 def _merge_sources_job(root: Path, tokenizer: str) -> tuple[Callable[[], None], Outputs]:
     """A merge of preprocessed datasets over an older merge of others: the new `.hp.sources`
     (provenance.py) must replace the old one in the same commit as the `.idx` it describes."""
-    from hp_data.format.merge import merge_datasets
+    from hp_data.merge import merge_datasets
     from hp_data.pipeline import PreprocessOptions, preprocess
 
     options = PreprocessOptions(workers=1, show_progress=False, tokenizer_engine="hf")

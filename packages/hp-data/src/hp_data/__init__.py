@@ -2,16 +2,12 @@
 
 from typing import Any
 
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import HpDataError, IndexedDatasetError, PreprocessError
-from hp_data.format import (
-    IndexedDataset,
-    IndexedDatasetBuilder,
-    merge_datasets,
-    optimal_dtype,
-)
+from hp_data.format import IndexedDatasetBuilder, optimal_dtype
 from hp_data.index import build_blending_indices, build_sample_index
-
-__version__ = "0.1.0"
+from hp_data.merge import merge_datasets
+from hp_data.version import __version__
 
 # The Python API of `hp-data preprocess`, imported on first use: the pipeline brings
 # tokenizers and multiprocessing, which the other commands never need.

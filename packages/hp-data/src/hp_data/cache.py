@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hp_data.fs import can_write_in, committing, write_json
 from hp_data.redact import redact_data
 
 _warned: set[str] = set()
@@ -99,19 +100,10 @@ def key_lock(base: str, timeout: float | None = None) -> Iterator[None]:
         close_lock_file(lock)
 
 
-def _writable(directory: str) -> bool:
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".hp-write-test-"):
-            return True
-    except OSError:
-        return False
-
-
 def resolve_cache_dir(directory: str | None) -> str:
     """`directory` if it can be written, else a shared temporary one (with one warning)."""
     fallback = os.path.join(tempfile.gettempdir(), "hp-data-index-cache")
-    if directory is not None and _writable(directory):
+    if directory is not None and can_write_in(directory):
         return directory
     if directory is not None and directory not in _warned:
         _warned.add(directory)
@@ -126,10 +118,8 @@ def resolve_cache_dir(directory: str | None) -> str:
 def _save_atomic(path: str, array: np.ndarray) -> None:
     # No fsync: a kill cannot tear a renamed file, and a set torn by a power cut fails to
     # load and is rebuilt (see load_or_build); the cache is cheap to rebuild, slow to sync.
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as stream:
+    with committing(path, durable=False) as stream:
         np.save(stream, np.ascontiguousarray(array), allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def _load(
@@ -197,25 +187,22 @@ def load_or_build(
                     os.remove(marker)
                 for name in names:
                     _save_atomic(paths[name], arrays[name])
-                tmp = f"{marker}.tmp-{os.getpid()}"
-                with open(tmp, "w", encoding="utf-8") as stream:
-                    shapes = {name: _shape(arrays[name]) for name in names}
-                    json.dump(  # no credential is ever stored (`redact_data`)
-                        redact_data(
-                            {
-                                "key": key,
-                                "class": class_name,
-                                "split": split_name,
-                                **description,
-                                "arrays": shapes,
-                            }
-                        ),
-                        stream,
-                        indent=2,
-                        sort_keys=True,
-                        default=str,
-                    )
-                os.replace(tmp, marker)
+                shapes = {name: _shape(arrays[name]) for name in names}
+                record = {
+                    "key": key,
+                    "class": class_name,
+                    "split": split_name,
+                    **description,
+                    "arrays": shapes,
+                }
+                write_json(  # no credential is ever stored (`redact_data`)
+                    marker,
+                    redact_data(record),
+                    durable=False,
+                    indent=2,
+                    sort_keys=True,
+                    default=str,
+                )
                 loaded = _load(paths, marker, check)
     if loaded is None:
         raise OSError(f"{base}-*.npy: written but unreadable; remove them and retry")

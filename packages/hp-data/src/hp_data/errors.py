@@ -32,21 +32,6 @@ class PreprocessError(HpDataError):
     """A corpus or tokenizer cannot be turned into a dataset (message starts with file:line)."""
 
 
-def first_line(exc: BaseException, *, named: bool = False) -> str:
-    """The first line of a third-party exception's message (its class name when it has
-    none), for a one-line error of hp's own; `named` puts the class name before it. An
-    exception that gathers one per rank (torch.distributed.checkpoint's, whose `failures`
-    hold each rank's exception with its traceback) speaks through its first."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        exc = inner[0] if isinstance(inner, tuple) else inner
-    text = str(exc).strip().splitlines()
-    if not text:
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {text[0]}" if named else text[0]
-
-
 def open_input(path: str, error: type[HpDataError], expected: str) -> BinaryIO:
     """Open regular file `path` for binary reading, or raise `error` saying in one line why
     not. Opened without blocking: a FIFO at the path would otherwise wait for a writer."""

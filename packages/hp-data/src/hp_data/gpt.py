@@ -15,9 +15,9 @@ import numpy as np
 import xxhash
 
 from hp_data.cache import load_or_build
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import HpDataError
 from hp_data.format.header import drop_pages
-from hp_data.format.reader import IndexedDataset
 from hp_data.index import (
     SPLITS,
     IndexBuildError,

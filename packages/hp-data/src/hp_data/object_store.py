@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hp_data import fs
 from hp_data.cache import cache_key, key_lock, resolve_cache_dir
 from hp_data.errors import HpDataError, IndexedDatasetError
 from hp_data.format.blocks import BLOCK_BYTES, BlockHasher, BlockRecord
@@ -78,7 +79,6 @@ _STRIPES = 64  # lock files per corpus: a bounded number, whatever the number of
 _MAPS, _MAP_BYTES = 8, 1 << 30
 _COPY_BLOCK = 16 << 20  # bytes read at a time into a cache file
 _CHUNK_NAME = re.compile(r"\d{10}\.chunk")
-_PART_NAME = re.compile(r"(\d{10})\.chunk\.tmp-")  # a download under way
 _warned: set[str] = set()
 
 
@@ -239,7 +239,10 @@ class RemoteCorpus:
         if all(_whole(self.local_prefix + s, p.size) for _, p, s in wanted):  # type: ignore[union-attr]
             return
         base = os.path.join(self.directory, "copy")
-        ours = re.compile(r"dataset\.(idx|hp\.json)\.tmp-").match
+
+        def ours(name: str) -> bool:  # a download of the .idx or the .hp.json under way
+            return fs.temp_target(name) in ("dataset.idx", "dataset.hp.json")
+
         with self._turn(base, self.idx_url, "the .idx", lambda: _parts(self.directory, ours)):
             for url, pin, suffix in wanted:
                 if not _whole(self.local_prefix + suffix, pin.size):  # type: ignore[union-attr]
@@ -247,7 +250,7 @@ class RemoteCorpus:
             source = os.path.join(self.directory, "source.json")
             if not os.path.exists(source):
                 record = {"url": self.url, "pins": {k: repr(p) for k, p in self.pins.items()}}
-                _write_atomic(source, json.dumps(redact_data(record), indent=2).encode())
+                fs.write_bytes(source, json.dumps(redact_data(record), indent=2).encode())
 
     @contextlib.contextmanager
     def _turn(
@@ -305,9 +308,13 @@ class RemoteCorpus:
         stripe = chunk % _STRIPES
         base = os.path.join(self.chunk_dir, f"stripe-{stripe}")
 
-        def ours(name: str) -> bool:  # a download of one of this stripe's chunks
-            match = _PART_NAME.match(name)
-            return match is not None and int(match[1]) % _STRIPES == stripe
+        def ours(name: str) -> bool:  # a download of one of this stripe's chunks under way
+            chunk = fs.temp_target(name)
+            return (
+                chunk is not None
+                and _CHUNK_NAME.fullmatch(chunk) is not None
+                and (int(chunk[:10]) % _STRIPES == stripe)
+            )
 
         progress = functools.partial(_parts, self.chunk_dir, ours)
         with self._turn(base, self.bin_url, f"bytes {start}-{end}", progress):
@@ -465,13 +472,6 @@ def _parts(directory: str, ours: Callable[[str], object]) -> list[tuple[str, int
     return sorted(found)
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-    os.replace(tmp, path)
-
-
 def _download(
     url: str,
     pin: Pin,
@@ -487,35 +487,34 @@ def _download(
     None: they are not what was written, nothing is renamed, and this returns False. Called
     under `target`'s lock, so another temporary file of it is a killed process's half
     download: deleted (nothing else would, and it is not counted in the cache bound)."""
-    for stale in glob.glob(glob.escape(target) + ".tmp-*"):
+    for stale in glob.glob(fs.temp_glob(target)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(stale)
-    tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
     hasher = BlockHasher(block_bytes) if seal is not None else None
-    try:
-        with open_pinned(url, pin, "a dataset file") as stream, open(tmp, "wb") as out:
-            stream.seek(start)
-            left = size
-            while left:
-                block = stream.read(min(left, _COPY_BLOCK))  # every byte, or one line
-                if not block:
-                    raise IndexedDatasetError(
-                        f"{redact(url)}: ends at byte {start + size - left:,}; its pin says "
-                        f"{pin.size:,} bytes"
-                    )
-                out.write(block)
-                if hasher is not None:
-                    hasher.update(block)
-                left -= len(block)
-            trailer = b"" if seal is None else seal(hasher)  # type: ignore[arg-type]
-            if trailer is None:
-                return False
-            out.write(trailer)
-        os.replace(tmp, target)
-        return True
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # Not synced: a cache, and a chunk torn by a power cut fails its trailer's check.
+    with (
+        open_pinned(url, pin, "a dataset file") as stream,
+        fs.AtomicFile(target, durable=False) as out,
+    ):
+        stream.seek(start)
+        left = size
+        while left:
+            block = stream.read(min(left, _COPY_BLOCK))  # every byte, or one line
+            if not block:
+                raise IndexedDatasetError(
+                    f"{redact(url)}: ends at byte {start + size - left:,}; its pin says "
+                    f"{pin.size:,} bytes"
+                )
+            out.file.write(block)
+            if hasher is not None:
+                hasher.update(block)
+            left -= len(block)
+        trailer = b"" if seal is None else seal(hasher)  # type: ignore[arg-type]
+        if trailer is None:
+            out.discard()
+            return False
+        out.file.write(trailer)
+    return True
 
 
 def evict(root: str, bound: int, keep: str) -> None:

@@ -25,7 +25,8 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from hp_data.errors import PreprocessError, first_line
+from hp_data.errors import PreprocessError
+from hp_data.fs import first_line
 from hp_data.pipeline.driver import check_shardable, preprocess
 from hp_data.pipeline.options import PreprocessOptions
 from hp_data.plan import plan_units, shard_groups

@@ -29,9 +29,9 @@ import numpy as np
 
 from hp_data.blend import _blend_problem, blend_counts, normalize, parse_blend
 from hp_data.cache import load_or_build
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import HpDataError
 from hp_data.format.header import prefix_of
-from hp_data.format.reader import IndexedDataset
 from hp_data.gpt import MAX_SEQ_LENGTH, GPTDataset, GPTDatasetConfig, corpus_fingerprint
 from hp_data.gpt import epoch_samples as split_epoch_samples
 from hp_data.index import BLENDING_DTYPES, build_blending_indices

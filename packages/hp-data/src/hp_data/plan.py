@@ -80,9 +80,9 @@ def _byte_ranges(source: WorkUnit, unit_bytes: int) -> list[WorkUnit]:
 
 
 def _row_group_runs(source: WorkUnit, unit_bytes: int) -> list[WorkUnit]:
-    from hp_data.readers import _require
+    from hp_data.readers import require
 
-    parquet = _require("pyarrow.parquet", "parquet")
+    parquet = require("pyarrow.parquet", "parquet")
     with open_pinned(source.path, source.pin, "a Parquet file") as stream:
         try:
             metadata = parquet.ParquetFile(stream if is_url(source.path) else source.path).metadata

@@ -39,6 +39,7 @@ import orjson
 import xxhash
 
 from hp_data.errors import HpDataError
+from hp_data.format.blocks import file_record
 from hp_data.format.header import idx_path, prefix_of, sources_path
 from hp_data.redact import redact
 
@@ -59,8 +60,6 @@ class ProvenanceError(HpDataError):
 
 def idx_record(path: str) -> dict[str, Any]:
     """`{"bytes", "xxh3_128"}` of an `.idx` file: what binds a sidecar to it."""
-    from hp_data.shards import file_record  # shards.py reads sidecars: imported late
-
     return file_record(path)
 
 
@@ -363,6 +362,21 @@ def _problem(found: Provenance) -> str | None:
     return None
 
 
+def merged_provenance(prefixes: Sequence[str], layouts: Sequence[Any]) -> Provenance | None:
+    """The provenance of `prefixes` concatenated with document-id offsets (an input without a
+    sidecar gives documents of no source; `layouts`, the inputs' `IndexLayout`s, count them),
+    or None when no input has any: what `hp_data.merge_datasets` records."""
+    found = [read_provenance(prefix) for prefix in prefixes]
+    if all(part is None for part in found):
+        return None
+    return Provenance.concatenate(
+        [
+            Provenance.anonymous(layout.document_count - 1) if part is None else part
+            for part, layout in zip(found, layouts, strict=True)
+        ]
+    )
+
+
 def has_provenance(prefix: str) -> bool:
     """Whether `prefix` has a sidecar (checked: a damaged one raises)."""
     return read_provenance(prefix) is not None
@@ -398,7 +412,7 @@ def source_text(
     read from the input itself: one line (streamed to, for compressed JSON lines), one
     Parquet row group's column, one HF row. Bounded memory. A record whose `key` holds no
     text gives its raw line."""
-    from hp_data.readers import _suffix_format
+    from hp_data.readers import suffix_format
 
     shapes = ({"dataset", "index"}, {"file", "row"}, {"file", "line"})
     if not isinstance(source, dict) or not any(shape <= source.keys() for shape in shapes):
@@ -411,7 +425,7 @@ def source_text(
     path = source["file"]
     if "row" in source:
         return _clip(_parquet_text(path, int(source["row"]) - 1, key), limit)
-    fmt = _suffix_format(path.split("?", 1)[0]) or "jsonl"
+    fmt = suffix_format(path.split("?", 1)[0]) or "jsonl"
     line = _nth_line(path, fmt, int(source["line"]))
     try:
         record = orjson.loads(line)
@@ -461,15 +475,15 @@ def _lines(stream: Any) -> Iterator[bytes]:
 
 def _lines_before(path: str, offset: int) -> int:
     """Lines of `path` before byte `offset`: a shard's byte range, looked up unmerged."""
-    from hp_data.readers import _lines_before as count
+    from hp_data.readers import lines_before as count
 
     return count(path, offset, None)
 
 
 def _parquet_text(path: str, row: int, key: str) -> str:
-    from hp_data.readers import _require
+    from hp_data.readers import require
 
-    parquet = _require("pyarrow.parquet", "parquet")
+    parquet = require("pyarrow.parquet", "parquet")
     with _open(path, "a Parquet file") as stream:
         table = parquet.ParquetFile(stream)
         first = 0
@@ -483,9 +497,9 @@ def _parquet_text(path: str, row: int, key: str) -> str:
 
 
 def _hf_text(path: str, index: int, key: str, split: str) -> str:
-    from hp_data.readers import _HF_SAVED_MARKERS, WorkUnit, load_hf_dataset
+    from hp_data.readers import HF_SAVED_MARKERS, WorkUnit, load_hf_dataset
 
-    saved = any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS)
+    saved = any(os.path.exists(os.path.join(path, m)) for m in HF_SAVED_MARKERS)
     unit = WorkUnit(path, "hf-saved" if saved else "hf", 0, 0)
     return str(load_hf_dataset(unit, split, None, quiet=True)[index][key])
 

@@ -27,15 +27,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from hp_data.dataset import IndexedDataset
 from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
+from hp_data.format.blocks import file_record
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
 from hp_data.format.commit import recover
 from hp_data.format.header import bin_path, idx_path, metadata_path, prefix_of, sources_path
 from hp_data.format.metadata import read_metadata, shared_metadata
-from hp_data.format.reader import IndexedDataset
+from hp_data.fs import committing, write_bytes
 from hp_data.plan import plan_fingerprint, shard_groups, shard_name
 from hp_data.progress import Progress
 from hp_data.provenance import Provenance, read_provenance
@@ -45,19 +46,6 @@ from hp_data.redact import redact_data
 MANIFEST_VERSION = 2  # 2 added `files`, the size and checksum of each file of the shard
 _NAME = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.json$")
 _FIELDS = {"version", "config", "plan", "units", "total_units", "outputs", "hashes", "summary"}
-_READ = 16 << 20
-
-
-def file_record(path: str, on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """`{"bytes", "xxh3_128"}` of the file at `path`, read once in 16 MiB blocks."""
-    digest, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as stream:
-        while block := stream.read(_READ):
-            digest.update(block)
-            size += len(block)
-            if on_bytes is not None:
-                on_bytes(len(block))
-    return {"bytes": size, "xxh3_128": digest.hexdigest()}
 
 
 def _shard_files(outputs: dict[str, str], hashes: str | None) -> list[str]:
@@ -98,15 +86,6 @@ def _checksum_problem(
             f"recorded {expected['xxh3_128']})"
         )
     return None
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -176,15 +155,11 @@ class ShardTask:
         hashes = None
         if unit_hashes is not None:
             hashes = self.prefix + ".hashes"
-            tmp = f"{hashes}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as out:
+            with committing(hashes) as out:
                 for path in unit_hashes:
                     with open(path, "rb") as source:
                         while block := source.read(16 << 20):
                             out.write(block)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, hashes)
         manifest = {
             "version": MANIFEST_VERSION,
             "config": self.config,
@@ -205,7 +180,7 @@ class ShardTask:
             "summary": summary,
         }
         # No credential is ever stored: a URL is named as `redact` prints it.
-        _write_atomic(self.manifest_path, json.dumps(redact_data(manifest), indent=1).encode())
+        write_bytes(self.manifest_path, json.dumps(redact_data(manifest), indent=1).encode())
 
 
 def _files_ok(manifest: dict[str, Any]) -> bool:

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import PreprocessError
 from hp_data.format.header import metadata_path
 from hp_data.format.metadata import read_metadata
-from hp_data.format.reader import IndexedDataset
 from hp_data.object_store import RemoteCorpus
 
 

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from hp_data.cache import cache_key, resolve_cache_dir
+from hp_data.dataset import IndexedDataset
 from hp_data.errors import HpDataError
 from hp_data.format.header import drop_pages
 from hp_data.format.metadata import read_metadata
-from hp_data.format.reader import IndexedDataset
+from hp_data.fs import write_json
 from hp_data.gpt import corpus_fingerprint
 from hp_data.object_store import StoreOptions, is_url
 from hp_data.redact import redact
@@ -131,11 +132,6 @@ def token_ids(
                 f"raise {name} to scan it once"
             )
         smallest, largest = scan(dataset)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as stream:
-            json.dump(
-                {"prefix": redact(dataset.path_prefix), "smallest": smallest, "largest": largest},
-                stream,
-            )
-        os.replace(tmp, path)  # whole or absent: a kill leaves nothing a reader would trust
+        record = {"prefix": redact(dataset.path_prefix), "smallest": smallest, "largest": largest}
+        write_json(path, record)  # whole or absent: a kill leaves nothing a reader would trust
         return TokenIds(largest, smallest, "scan", metadata)

@@ -14,8 +14,9 @@ import orjson
 import xxhash
 from tokenizers import Tokenizer
 
-from hp_data.errors import PreprocessError, first_line
+from hp_data.errors import PreprocessError
 from hp_data.fast_bpe import FastBPE, NotConvertible, NotProven, compare, probe_texts
+from hp_data.fs import first_line
 from hp_data.tokenizer_hub import _HUB_NAME, _from_hub
 
 # Tried in order when neither --eod-token nor tokenizer_config.json names the token.

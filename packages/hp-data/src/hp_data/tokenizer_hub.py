@@ -10,7 +10,8 @@ import os
 import re
 from collections.abc import Iterator
 
-from hp_data.errors import PreprocessError, first_line
+from hp_data.errors import PreprocessError
+from hp_data.fs import first_line
 
 # What a tokenizer is fetched as from the Hugging Face hub (never weights).
 HUB_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]

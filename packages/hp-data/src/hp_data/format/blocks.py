@@ -12,6 +12,7 @@ record is a few megabytes and is parsed without a Python object per block.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,19 @@ from hp_data.format.header import metadata_path
 BLOCK_BYTES = 4 << 20  # 4 MiB: data.remote_chunk_mb of any whole number of MiB divisible by 4
 KEY = "bin_blocks"
 _READ = 16 << 20
+
+
+def file_record(path: str, on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """`{"bytes", "xxh3_128"}` of the whole file at `path`, read once in 16 MiB blocks: what
+    binds a shard's manifest (shards.py) and a `.hp.sources` (provenance.py) to their files."""
+    digest, size = xxhash.xxh3_128(), 0
+    with open(path, "rb") as stream:
+        while block := stream.read(_READ):
+            digest.update(block)
+            size += len(block)
+            if on_bytes is not None:
+                on_bytes(len(block))
+    return {"bytes": size, "xxh3_128": digest.hexdigest()}
 
 
 class BlockHasher:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from hp_data.errors import IndexedDatasetError
 from hp_data.format.header import bin_path, idx_path, metadata_path, sources_path
+from hp_data.fs import fsync_path
 
 TARGETS = "targets.json"
 
@@ -34,15 +35,6 @@ TARGETS = "targets.json"
 def journal_path(prefix: str) -> str:
     directory, name = os.path.split(os.path.abspath(prefix))
     return os.path.join(directory, f".{name}.hp-commit")
-
-
-def fsync_path(path: str) -> None:
-    """Sync a file or a directory (a directory's entries: what a rename changed) to disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def recover(prefix: str) -> None:

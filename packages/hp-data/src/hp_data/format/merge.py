@@ -1,11 +1,12 @@
-"""Concatenate datasets into one, streaming, in the order given."""
+"""Concatenate datasets into one, streaming, in the order given. Where their documents came
+from is not this layer's: the caller passes how to merge it (`hp_data.merge_datasets`)."""
 
 from __future__ import annotations
 
 import glob
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hp_data.errors import IndexedDatasetError
@@ -14,6 +15,7 @@ from hp_data.format.commit import recover
 from hp_data.format.header import (
     METADATA_SUFFIX,
     SOURCES_SUFFIX,
+    IndexLayout,
     bin_path,
     idx_path,
     prefix_of,
@@ -55,15 +57,23 @@ def expand_prefixes(specs: Iterable[str]) -> list[str]:
     return prefixes
 
 
+Sources = Callable[[Sequence[str], Sequence[IndexLayout]], Any]
+
+
 def merge_datasets(
-    out_prefix: str, in_prefixes: list[str], multimodal: bool = False, show_progress: bool = False
+    out_prefix: str,
+    in_prefixes: list[str],
+    multimodal: bool = False,
+    show_progress: bool = False,
+    sources: Sources | None = None,
 ) -> str:
     """Write `out_prefix` as the concatenation of `in_prefixes`; returns the output prefix.
 
     Every input header is checked before anything is written, so a mixed-dtype merge fails
     fast and leaves no output. The output records the inputs' tokenizer when they all record
-    the same one (`shared_metadata`), and where its documents came from when any input
-    records it (provenance.py; an input without a sidecar gives documents of no source).
+    the same one (`shared_metadata`). `sources(in_prefixes, layouts)`, called once the inputs
+    are checked, gives what the output records as where its documents came from (the
+    builder's `sources`; None: nothing, as without `sources`).
     """
     if not in_prefixes:
         raise IndexedDatasetError("merge needs at least one input dataset")
@@ -86,27 +96,11 @@ def merge_datasets(
     total = sum(os.path.getsize(bin_path(prefix)) for prefix in in_prefixes)
     progress = Progress(total, "merge", enabled=show_progress)
     metadata = shared_metadata(in_prefixes)
-    sources = _merged_provenance(in_prefixes, layouts)
+    merged = None if sources is None else sources(in_prefixes, layouts)
     with IndexedDatasetBuilder(
-        out_prefix, layouts[0].dtype, multimodal, metadata, sources
+        out_prefix, layouts[0].dtype, multimodal, metadata, merged
     ) as builder:
         for prefix in in_prefixes:
             builder.add_index(prefix, on_bytes=progress.add_bytes)
     progress.close()
     return out_prefix
-
-
-def _merged_provenance(prefixes: list[str], layouts: list[Any]) -> Any:
-    """The inputs' provenance concatenated with document-id offsets, or None when no input
-    has any (provenance.py; imported here, as it reads datasets this module writes)."""
-    from hp_data.provenance import Provenance, read_provenance
-
-    found = [read_provenance(prefix) for prefix in prefixes]
-    if all(part is None for part in found):
-        return None
-    return Provenance.concatenate(
-        [
-            Provenance.anonymous(layout.document_count - 1) if part is None else part
-            for part, layout in zip(found, layouts, strict=True)
-        ]
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,7 +19,18 @@ from hp_data.format.header import (
     read_layout,
 )
 from hp_data.format.validate import array_problems, bin_size_problem
-from hp_data.object_store import RemoteCorpus, StoreOptions, is_url
+
+
+class RemoteBin(Protocol):
+    """A `.bin` read from elsewhere, its `.idx` copied to `local_prefix + ".idx"`: what a
+    subclass that opens URL prefixes (`hp_data.dataset`) reads through (`remote`)."""
+
+    local_prefix: str
+    bin_size: int
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
 
 
 class IndexedDataset:
@@ -33,9 +44,9 @@ class IndexedDataset:
     `IndexedDatasetError` naming the file; pass `validate=False` to skip the array checks
     (the header and file sizes are always checked).
 
-    A URL prefix (`s3://bucket/corpus`, hp_data.object_store) is read through the node-local
-    cache `store` describes (None: the defaults): its index arrays come from the cached `.idx`,
-    mapped as a local one is, its tokens from the `.bin`'s cached chunks.
+    This class reads local files; `hp_data.IndexedDataset` (`hp_data.dataset`) also opens a
+    URL prefix, through `remote`: its index arrays come from a local copy of the `.idx`,
+    mapped as a local one is, its tokens from `remote.read`.
     """
 
     def __init__(
@@ -44,20 +55,20 @@ class IndexedDataset:
         mmap: bool = True,
         multimodal: bool = False,
         validate: bool = True,
-        store: StoreOptions | None = None,
     ) -> None:
         self.path_prefix = os.fspath(path)
         self.mmap = mmap
         self.multimodal = multimodal
         self._validate = validate
-        self._store = store
-        self.remote: RemoteCorpus | None = None
+        self.remote: RemoteBin | None = None
         self._open()
 
-    def _open_remote(self) -> IndexLayout:
-        if self.remote is None:  # else unpickled: no request to the store
-            self.remote = RemoteCorpus(self.idx_path[:-4], self._store or StoreOptions())
-        local = self.remote.local_prefix + ".idx"
+    def _connect(self) -> RemoteBin | None:
+        """What reads this prefix's `.bin` from elsewhere; None (here, always): local files."""
+        return None
+
+    def _open_remote(self, remote: RemoteBin) -> IndexLayout:
+        local = remote.local_prefix + ".idx"
         try:
             return read_layout(local, self.multimodal)
         except IndexedDatasetError as exc:  # named as the user named it
@@ -68,8 +79,10 @@ class IndexedDataset:
         self.bin_path = bin_path(self.path_prefix)
         self.path_prefix = self.idx_path[:-4]
         self._bin_file = None
-        if is_url(self.path_prefix):
-            self._layout: IndexLayout = self._open_remote()
+        if self.remote is None:  # else unpickled: not asked again
+            self.remote = self._connect()
+        if self.remote is not None:
+            self._layout: IndexLayout = self._open_remote(self.remote)
         else:
             recover(self.path_prefix)  # a commit a kill interrupted is finished before reading
             self._layout = read_layout(self.idx_path, self.multimodal)
@@ -238,13 +251,12 @@ class IndexedDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         # Maps and file handles do not pickle; a DataLoader worker reopens by path (a URL's
-        # pins and cache directory with it: the store is not asked again).
+        # `remote` with it: its pins and cache directory, the store is not asked again).
         return {
             "path_prefix": self.path_prefix,
             "mmap": self.mmap,
             "multimodal": self.multimodal,
             "_validate": False,
-            "_store": self._store,
             "remote": self.remote,
         }
 

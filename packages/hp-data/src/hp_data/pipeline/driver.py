@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from hp_data import __version__
 from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder, finalize_together
@@ -47,6 +46,7 @@ from hp_data.readers.units import STDIN, Chunk, WorkUnit
 from hp_data.remote import set_timeout
 from hp_data.shards import ShardTask
 from hp_data.tokenize import TokenizerFiles, VerifiedEngine, vocab_size
+from hp_data.version import __version__
 
 
 def check_shardable(found: Sequence[WorkUnit]) -> None:

@@ -3,14 +3,12 @@ exact duplicates, and writes each unit's dataset into the work directory."""
 
 from __future__ import annotations
 
-import os
-from typing import BinaryIO
-
 import numpy as np
 
 from hp_data.dedup import HashSet
 from hp_data.errors import PreprocessError
 from hp_data.format.builder import IndexedDatasetBuilder
+from hp_data.fs import AtomicFile, committing
 from hp_data.pipeline.workdir import _UnitStats, _WorkDir
 from hp_data.pipeline.worker import EngineMismatch, _Result
 from hp_data.progress import Progress
@@ -41,7 +39,7 @@ class _Run:
         self.seen, self.progress, self.skip_invalid = seen, progress, skip_invalid
         self.current: int | None = None
         self.builders: list[IndexedDatasetBuilder] = []
-        self.hashes: BinaryIO | None = None  # kept hashes of the current unit, spilled
+        self.hashes: AtomicFile | None = None  # kept hashes of the current unit, spilled
         self.skipped: list[tuple[np.ndarray, np.ndarray]] = []  # the unit's, per chunk
         self.stats = _UnitStats()
         self.done_bytes = progress.already
@@ -56,7 +54,7 @@ class _Run:
             for key in self.keys
         ]
         if self.seen is not None:
-            self.hashes = open(self.workdir.hashes_path(index) + ".tmp", "wb")  # noqa: SIM115
+            self.hashes = AtomicFile(self.workdir.hashes_path(index))
         self.stats = _UnitStats(tokens=dict.fromkeys(self.keys, 0))
         self.skipped = []
 
@@ -92,7 +90,7 @@ class _Run:
                 tokens = [t[np.repeat(fresh, n)] for t, n in zip(tokens, lengths, strict=True)]
                 lengths = [n[fresh] for n in lengths]
                 dropped, reasons = _with_duplicates(dropped, reasons, result.lines, fresh)
-            self.hashes.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
+            self.hashes.file.write(result.hashes[fresh].tobytes())  # type: ignore[union-attr]
         if dropped is not None and len(dropped):
             self.skipped.append((dropped + before, reasons))  # type: ignore[arg-type]
         for key, builder, key_tokens, key_lengths in zip(
@@ -119,17 +117,14 @@ class _Run:
         for builder in self.builders:
             builder.finalize()
         target = self.workdir.skipped_path(index)
-        with open(target + ".tmp", "wb") as stream:
+        with committing(target) as stream:
             for offsets, _ in self.skipped:
                 stream.write(offsets.astype("<i8").tobytes())
             for _, reasons in self.skipped:
                 stream.write(reasons.tobytes())
-        os.replace(target + ".tmp", target)
         self.skipped = []
         if self.hashes is not None:
-            self.hashes.close()
-            target = self.workdir.hashes_path(index)
-            os.replace(target + ".tmp", target)
+            self.hashes.commit()
             self.hashes = None
         self.workdir.record(unit, self.stats)
         self.builders = []
@@ -139,7 +134,7 @@ class _Run:
         for builder in self.builders:
             builder.abort()
         if self.hashes is not None:
-            self.hashes.close()
+            self.hashes.discard()
 
 
 def _with_duplicates(

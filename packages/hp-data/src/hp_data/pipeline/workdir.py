@@ -15,6 +15,7 @@ import xxhash
 
 from hp_data.errors import PreprocessError
 from hp_data.format.header import bin_path, idx_path
+from hp_data.fs import write_json
 from hp_data.pipeline.options import PreprocessOptions
 from hp_data.pipeline.worker import _WorkerSpec
 from hp_data.readers.units import WorkUnit
@@ -101,11 +102,7 @@ class _WorkDir:
             {"identity": unit.identity, "inode": inode, "stats": stats.__dict__}
         )
         target = os.path.join(self.path, "manifest.json")
-        with open(target + ".tmp", "w", encoding="utf-8") as stream:
-            json.dump(redact_data(self.manifest), stream)  # no credential is ever stored
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(target + ".tmp", target)
+        write_json(target, redact_data(self.manifest))  # no credential is ever stored
 
     def remove(self) -> None:
         # The manifest goes first: a kill inside rmtree leaves nothing a rerun would reuse.

@@ -18,20 +18,20 @@ from hp_data.readers.chunking import (
     ROWS_PER_CHUNK,
     ZSTD_MAGIC,
     ZSTD_SKIPPABLE,
-    _require,
     chunks,
     load_hf_dataset,
+    require,
     zstd_frames_problem,
 )
 from hp_data.readers.discovery import (
-    _HF_SAVED_MARKERS,
     FORMATS,
+    HF_SAVED_MARKERS,
     HP_METADATA,
     SUFFIXES,
-    _suffix_format,
     discover,
+    suffix_format,
 )
-from hp_data.readers.parsing import _lines_before, location, read_chunk
+from hp_data.readers.parsing import lines_before, location, read_chunk
 from hp_data.readers.units import (
     KEYS_OPTION,
     LENGTH_OPTION,
@@ -44,6 +44,7 @@ from hp_data.readers.units import (
 
 __all__ = [
     "FORMATS",
+    "HF_SAVED_MARKERS",
     "HP_METADATA",
     "KEYS_OPTION",
     "LENGTH_OPTION",
@@ -53,17 +54,16 @@ __all__ = [
     "SUFFIXES",
     "ZSTD_MAGIC",
     "ZSTD_SKIPPABLE",
-    "_HF_SAVED_MARKERS",
     "Chunk",
     "Parsed",
     "WorkUnit",
-    "_lines_before",
-    "_require",
-    "_suffix_format",
     "chunks",
     "discover",
+    "lines_before",
     "load_hf_dataset",
     "location",
     "read_chunk",
+    "require",
+    "suffix_format",
     "zstd_frames_problem",
 ]

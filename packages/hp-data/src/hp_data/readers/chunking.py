@@ -10,7 +10,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
-from hp_data.errors import PreprocessError, first_line
+from hp_data.errors import PreprocessError
+from hp_data.fs import first_line
 from hp_data.readers.units import (
     KEYS_OPTION,
     STDIN,
@@ -198,7 +199,7 @@ def _stream_blocks(
         yield Chunk(index, unit.path, unit.format, blob=carry, input_bytes=rest)
 
 
-def _require(module: str, extra: str) -> Any:
+def require(module: str, extra: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
@@ -210,7 +211,7 @@ def _require(module: str, extra: str) -> Any:
 def _parquet_rows(
     index: int, unit: WorkUnit, keys: Sequence[str], keys_option: str = KEYS_OPTION
 ) -> Iterator[Chunk]:
-    parquet = _require("pyarrow.parquet", "parquet")
+    parquet = require("pyarrow.parquet", "parquet")
     with open_pinned(unit.path, unit.pin, "a Parquet file") as stream:
         source = stream if is_url(unit.path) else unit.path  # pyarrow's own reads, locally
         try:
@@ -272,7 +273,7 @@ def load_hf_dataset(
     progress bars `datasets` draws while it converts files."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    datasets = _require("datasets", "hf")
+    datasets = require("datasets", "hf")
     was_enabled = not datasets.are_progress_bars_disabled()
     if quiet:
         datasets.disable_progress_bars()

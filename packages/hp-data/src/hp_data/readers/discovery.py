@@ -39,7 +39,7 @@ SUFFIXES = {
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf-saved", "hf")
 
-_HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
+HF_SAVED_MARKERS = ("state.json", "dataset_dict.json")
 
 # hp's metadata beside a dataset (format/metadata.py): JSON by name, never a corpus, so a
 # directory or glob that also holds outputs does not read it.
@@ -53,10 +53,10 @@ def _files_in(directory: str) -> list[str]:
 
 def _corpus_format(name: str) -> str | None:
     """The format of a file a directory holds, or None when it is no corpus."""
-    return None if name.endswith(HP_METADATA) else _suffix_format(name)
+    return None if name.endswith(HP_METADATA) else suffix_format(name)
 
 
-def _suffix_format(name: str) -> str | None:
+def suffix_format(name: str) -> str | None:
     lowered = name.lower()
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if lowered.endswith(suffix):
@@ -159,7 +159,7 @@ def _named_paths(specs: Sequence[str], input_format: str | None) -> list[tuple[s
             if not os.path.exists(match):
                 raise PreprocessError(f"{match}: no such file or directory")
             is_dataset_dir = input_format in ("hf", "hf-saved") or any(
-                os.path.exists(os.path.join(match, m)) for m in _HF_SAVED_MARKERS
+                os.path.exists(os.path.join(match, m)) for m in HF_SAVED_MARKERS
             )
             if os.path.isdir(match) and not is_dataset_dir:
                 found = _files_in(match)
@@ -184,7 +184,7 @@ def _whole_unit(path: str, input_format: str | None) -> WorkUnit:
             )
         return WorkUnit(path, fmt, 0, time.time_ns())
     if is_url(path):
-        fmt = input_format or _suffix_format(path.split("?", 1)[0])  # a presigned query
+        fmt = input_format or suffix_format(path.split("?", 1)[0])  # a presigned query
         if fmt is None or fmt.startswith("hf"):
             raise PreprocessError(
                 f"{path}: a URL is read as a jsonl, jsonl.gz, jsonl.zst or parquet file; "
@@ -195,7 +195,7 @@ def _whole_unit(path: str, input_format: str | None) -> WorkUnit:
     if os.path.isdir(path):
         if input_format == "hf":
             fmt = "hf"
-        elif any(os.path.exists(os.path.join(path, m)) for m in _HF_SAVED_MARKERS):
+        elif any(os.path.exists(os.path.join(path, m)) for m in HF_SAVED_MARKERS):
             fmt = "hf-saved"
         else:
             raise PreprocessError(
@@ -205,7 +205,7 @@ def _whole_unit(path: str, input_format: str | None) -> WorkUnit:
         size, mtime = _tree_size(path)
         pin = None
     else:
-        fmt = input_format or _suffix_format(path)
+        fmt = input_format or suffix_format(path)
         if input_format is not None and input_format.startswith("hf"):
             raise PreprocessError(
                 f"{path}: --input-format {input_format} reads a directory (an HF dataset), "

@@ -201,12 +201,12 @@ def location(unit: WorkUnit, line: int) -> str:
         return f"<stdin>:{line}"
     name = redact(unit.path)  # kept in manifests and summaries (invalid_examples)
     if unit.format.startswith("jsonl"):
-        return f"{name}:{_lines_before(unit.path, unit.start, unit.pin) + line}"
+        return f"{name}:{lines_before(unit.path, unit.start, unit.pin) + line}"
     return f"{name}: row {unit.first_row + line}"
 
 
 @functools.lru_cache(maxsize=64)
-def _lines_before(path: str, offset: int, pin: Pin | None) -> int:
+def lines_before(path: str, offset: int, pin: Pin | None) -> int:
     """Lines of `path` before byte `offset` (a line start): counted only when a part that
     starts inside a file reports a line, so runs without errors never pay for it."""
     if offset == 0:

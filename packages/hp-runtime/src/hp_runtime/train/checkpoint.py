@@ -1,6 +1,7 @@
 """Checkpoints that resume exactly, on any layout: DCP for the tensors, an atomic commit.
 
-A checkpoint of step N is written into `RUN_DIR/checkpoints/.tmp-step-000000N` by every rank
+A checkpoint of step N is written into its staging directory in `RUN_DIR/checkpoints/` (hidden:
+`hp_data.fs.staging_name`) by every rank
 (DCP shards of the model and optimizer, keyed by parameter names, so any layout can load them;
 each rank's RNG states in `extra/`; `meta.json` from rank 0 with the step, `consumed_samples`,
 the run's id, the resolved config and the data's identity, stored as "fingerprint") and
@@ -37,8 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from hp_data.errors import first_line
-from hp_data.format.commit import fsync_path
+from hp_data.fs import first_line, fsync_path, is_staging, staging_name
 from hp_data.phases import state_change
 from hp_data.redact import redact_data
 from hp_data.registry import same_samples
@@ -61,7 +61,6 @@ from hp_runtime.train.state import TrainState
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step-"
-TMP = ".tmp-"
 META = "meta.json"
 METADATA_KEY = "dcp_metadata_xxh3"  # meta.json's checksum of DCP's .metadata
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -213,8 +212,7 @@ def seal(tmp: str) -> None:
     file = os.path.join(tmp, META)
     meta = storage.read_json(file)
     meta[METADATA_KEY] = storage.file_digest(os.path.join(tmp, ".metadata"))
-    storage.write_json(file + ".tmp", meta)
-    os.replace(file + ".tmp", file)
+    storage.write_json(file, meta)
 
 
 def _metadata(path: str, meta: dict[str, Any]) -> Any:
@@ -340,7 +338,7 @@ def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
 class Pending:
     step: int
     future: Future
-    tmp: str
+    staging: str
     started: float
     nbytes: int
 
@@ -406,7 +404,7 @@ class Checkpointer:
         """Remove what a killed run left uncommitted (rank 0), before anyone saves."""
         if self.runtime.is_main and os.path.isdir(self.root):
             for name in os.listdir(self.root):
-                if name.startswith(TMP):
+                if is_staging(name):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         dist.barrier()
 
@@ -420,7 +418,7 @@ class Checkpointer:
         (now, or by a later `poll`) is handed out by `take`. Every rank calls it."""
         self.finish()  # one save in flight at a time
         start = time.perf_counter()
-        tmp = os.path.join(self.root, TMP + step_name(state.step))
+        tmp = os.path.join(self.root, staging_name(step_name(state.step)))
         payload = tensors(state)
         nbytes = _nbytes(payload)
         failure: BaseException | None = None
@@ -508,9 +506,9 @@ class Checkpointer:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
-            self._remove(pending.tmp)
-            raise self._failed(exc, pending.tmp, pending.nbytes) from None
-        self._commit(pending.step, pending.tmp, pending.started, pending.nbytes, True)
+            self._remove(pending.staging)
+            raise self._failed(exc, pending.staging, pending.nbytes) from None
+        self._commit(pending.step, pending.staging, pending.started, pending.nbytes, True)
 
     def _failed(
         self, exc: BaseException, tmp: str, nbytes: int, everywhere: bool = True

@@ -25,7 +25,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 
-from hp_data.format.commit import fsync_path
+from hp_data.fs import fsync_path, writable_dir_problem
 
 from hp_runtime.train.dirlock import DirLock
 from hp_runtime.train.errors import TrainError
@@ -87,11 +87,9 @@ class ExportTarget:
         self.parent, self.name = os.path.split(self.path)
         self.old: list[str] | None = None  # the previous export's files, when DIR is one
         self.lock: DirLock | None = None
-        if not os.path.isdir(self.parent):
-            what = "is not a directory" if os.path.exists(self.parent) else "does not exist"
-            raise TrainError(f"{self.label}: {self.parent} {what}; create it first")
-        if not os.access(self.parent, os.W_OK | os.X_OK):
-            raise TrainError(f"{self.label}: cannot write in {self.parent} (permission denied)")
+        problem = writable_dir_problem(self.parent, fix="create it first")
+        if problem is not None:
+            raise TrainError(f"{self.label}: {problem}")
 
     def __enter__(self) -> ExportTarget:
         """DIR locked, then checked: what an export before this one left there is judged."""

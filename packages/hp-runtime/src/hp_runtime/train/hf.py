@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 import torch
-from hp_data.errors import first_line
+from hp_data.fs import directory_problem, first_line
 from torch import nn
 
 from hp_runtime.model import ModelConfig
@@ -189,9 +189,9 @@ def _write_hf(
 def _safetensors_files(directory: str) -> list[str]:
     """The weight files of an HF directory: those its index names, else every *.safetensors.
     Pickles (pytorch_model.bin, *.pt) are never read: loading one runs arbitrary code."""
-    if not os.path.isdir(directory):
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise TrainError(f"{directory} {what}; give an HF model directory")
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise TrainError(f"{problem}; give an HF model directory")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
         try:

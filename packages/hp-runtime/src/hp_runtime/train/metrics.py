@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 import torch
 import torch.distributed as dist
+from hp_data.fs import write_text
 from hp_data.progress import clock, human
 
 if TYPE_CHECKING:
@@ -101,9 +102,7 @@ def continue_log(run_dir: str, step: int, fresh: bool) -> str | None:
                 continue
             if isinstance(record, dict) and record.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w", encoding="utf-8") as stream:
-        stream.writelines(kept)
-    os.replace(path + ".tmp", path)
+    write_text(path, "".join(kept))
     return None
 
 

@@ -23,8 +23,7 @@ def write_record(plan: PhasePlan, run_dir: str) -> None:
     """RUN_DIR/mix-report.json: `mix_report(plan)` (redacted, as it prints), whole or not at
     all; written at every start, so that it is the report of the config.toml beside it."""
     path = os.path.join(run_dir, RECORD)
-    storage.write_json(path + ".tmp", mix_report(plan))
-    os.replace(path + ".tmp", path)
+    storage.write_json(path, mix_report(plan))
 
 
 def read_record(run_dir: str) -> dict[str, Any]:

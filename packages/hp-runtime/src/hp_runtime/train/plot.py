@@ -5,13 +5,13 @@ extra)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import stat
-import tempfile
 from typing import Any
+
+from hp_data.fs import AtomicFile, directory_problem, writable_dir_problem
 
 from hp_runtime.train.errors import TrainError
 
@@ -20,9 +20,9 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
     """The records of `RUN_DIR/metrics.jsonl`. A last line without its newline that does not
     parse was cut by a kill while it was written (a resume drops it too) and is left out; a
     bad line anywhere else is an error naming it."""
-    if not os.path.isdir(run_dir):
-        what = "is not a directory" if os.path.exists(run_dir) else "does not exist"
-        raise TrainError(f"{run_dir} {what}; give a hp-train run directory")
+    problem = directory_problem(run_dir)
+    if problem is not None:
+        raise TrainError(f"{problem}; give a hp-train run directory")
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
         with open(path, encoding="utf-8", errors="replace") as stream:
@@ -80,33 +80,23 @@ def _check_out(out: str, label: str) -> None:
         raise TrainError(
             f"{label}: exists and is not a PNG; give a new file path (only a PNG is replaced)"
         )
-    if not os.path.isdir(parent):
-        what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise TrainError(f"{label}: {parent} {what}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise TrainError(f"{label}: cannot write in {parent} (permission denied)")
+    problem = writable_dir_problem(parent)
+    if problem is not None:
+        raise TrainError(f"{label}: {problem}")
 
 
 def _write_png(figure: Any, out: str, label: str) -> None:
-    """Through a hidden temporary file of a unique name beside `out`, then one rename."""
-    directory, name = os.path.split(os.path.abspath(out))
+    """Through a temporary file of a unique name beside `out`, then one rename (`AtomicFile`)."""
+    directory = os.path.dirname(os.path.abspath(out))
     try:
-        descriptor, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        atomic = AtomicFile(out)
     except OSError as exc:
         raise TrainError(f"{label}: cannot write in {directory} ({exc.strerror})") from None
     try:
-        with os.fdopen(descriptor, "wb") as stream:
-            figure.savefig(stream, dpi=100, format="png")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's are 0600
-        os.replace(tmp, out)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(exc, OSError):
-            raise TrainError(f"{label}: cannot be written ({exc.strerror})") from None
-        raise
+        with atomic:
+            figure.savefig(atomic.file, dpi=100, format="png")
+    except OSError as exc:
+        raise TrainError(f"{label}: cannot be written ({exc.strerror})") from None
 
 
 def _moe_panels(axes: Any, steps: list[Any], train: list[dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch.distributed as dist
+from hp_data.fs import write_json
 from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
@@ -125,10 +126,7 @@ class Dump:
         }
         if loop.runtime.is_main:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            tmp = f"{self.path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as handle:
-                json.dump(self.out, handle, indent=1)
-            os.replace(tmp, self.path)
+            write_json(self.path, self.out, indent=1)
 
 
 def replay(

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
+from hp_data.fs import write_text
 from hp_data.phases import PhasedDataset, PhasePlan
 from hp_data.redact import redact_data
 
@@ -107,9 +108,7 @@ def write_config(text: str, run_dir: str) -> None:
     """RUN_DIR/config.toml, the resolved config (`to_toml`), written whole or not at all."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.toml")
-    with open(path + ".tmp", "w", encoding="utf-8") as stream:
-        stream.write(text)
-    os.replace(path + ".tmp", path)
+    write_text(path, text)
 
 
 def phase_rates(phases: PhasePlan, model: ModelConfig) -> np.ndarray:

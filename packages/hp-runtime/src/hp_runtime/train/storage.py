@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import torch
 import xxhash
+from hp_data import fs
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.filesystem import (
@@ -212,11 +213,8 @@ def _digest(value: Any) -> str:
 
 
 def write_json(path: str, value: dict[str, Any]) -> None:
-    """`value` as JSON with a checksum of its content, synced to disk."""
-    with open(path, "w", encoding="utf-8") as stream:
-        json.dump({**value, CHECKSUM_KEY: _digest(value)}, stream, indent=1)
-        stream.flush()
-        os.fsync(stream.fileno())
+    """`value` as JSON with a checksum of its content, written whole and synced to disk."""
+    fs.write_json(path, {**value, CHECKSUM_KEY: _digest(value)}, indent=1)
 
 
 def read_json(path: str, checked: bool = True) -> dict[str, Any]:

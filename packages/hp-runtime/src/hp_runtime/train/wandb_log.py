@@ -11,6 +11,8 @@ import os
 import secrets
 from typing import Any
 
+from hp_data.fs import write_text
+
 from hp_runtime.train.config import WandbConfig
 
 LOGGED = ("train", "validation")  # metrics.jsonl's kinds that are curves
@@ -28,9 +30,7 @@ class WandbLog:
                 run_id = handle.read().strip()
         else:
             run_id = secrets.token_hex(8)  # W&B ids: letters and digits
-            with open(f"{id_path}.tmp", "w") as handle:
-                handle.write(run_id)
-            os.replace(f"{id_path}.tmp", id_path)
+            write_text(id_path, run_id)
         self._run = wandb.init(
             project=config.project,
             name=config.name or os.path.basename(os.path.abspath(run_dir)),

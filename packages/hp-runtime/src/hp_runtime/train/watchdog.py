@@ -29,6 +29,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from hp_data.fs import write_json
+
 PHASES = ("data", "forward-backward", "update")  # a step's phases, in the order they run
 MIN_AUTO_LIMIT = 300.0  # seconds: the default limit is never shorter
 AUTO_FACTOR = 10  # x the median step
@@ -156,11 +158,9 @@ def _read_json(path: str) -> dict | None:
 
 
 def _write_json(path: str, value: object) -> None:
-    """Written whole, then renamed: a reader never sees half a report."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        json.dump(value, handle)
-    os.replace(tmp, path)
+    """Written whole, then renamed: a reader never sees half a report. Not synced: a report
+    of the moment, rewritten while the run lives, and a stuck filesystem must not stop it."""
+    write_json(path, value, durable=False)
 
 
 def _nccl_trace(path: str) -> None:
