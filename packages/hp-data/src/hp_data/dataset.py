@@ -1,5 +1,6 @@
-"""`IndexedDataset` of any prefix: a local `.bin`/`.idx` pair (`format/reader.py`) or one
-behind a URL, read through the node-local cache of `object_store.py`. This is the one
+"""`IndexedDataset` and its checks (`dataset_problems`) of any prefix: a local `.bin`/`.idx`
+pair (`format/reader.py`) or one behind a URL, read through the node-local cache of
+`object_store.py`. This is the one
 `hp_data.IndexedDataset` names; the format layer below knows nothing of object storage."""
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hp_data.format import reader
+from hp_data.errors import HpDataError, IndexedDatasetError
+from hp_data.format import reader, validate
+from hp_data.format.blocks import block_problem, streamed_digests
+from hp_data.format.header import idx_path, map_index_arrays, read_layout
 from hp_data.object_store import RemoteCorpus, StoreOptions, is_url
 
 
@@ -40,4 +44,43 @@ class IndexedDataset(reader.IndexedDataset):
         return {**super().__getstate__(), "_store": self._store}
 
 
-__all__ = ["IndexedDataset"]
+def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
+    """Every broken invariant of the dataset at `prefix`, local or a URL, one line each;
+    empty when sound (`hp-data inspect --check`)."""
+    if is_url(prefix):
+        return remote_problems(prefix, multimodal)
+    return validate.dataset_problems(prefix, multimodal)
+
+
+def remote_problems(prefix: str, multimodal: bool = False) -> list[str]:
+    """`dataset_problems` of a URL prefix: the `.idx` (copied into the node cache) against the
+    `.bin` object's size and, where the `.hp.json` records block hashes, the `.bin` streamed
+    once from the store (not cached) against them: a whole download of it."""
+    try:  # opening reads the pins, copies the .idx and parses the record against the .bin
+        corpus = RemoteCorpus(idx_path(prefix)[:-4], StoreOptions())
+        local = corpus.local_prefix + ".idx"
+        try:
+            layout = read_layout(local, multimodal)
+        except IndexedDatasetError as exc:  # named as the user named it
+            return [str(exc).replace(local, corpus.idx_url)]
+    except HpDataError as exc:
+        return [str(exc)]
+    lengths, pointers, documents, _ = map_index_arrays(layout, with_modes=False)
+    itemsize = layout.dtype.itemsize
+    problems = list(validate.array_problems(lengths, pointers, documents, itemsize, corpus.bin_size,
+                                   corpus.idx_url, corpus.bin_url))  # fmt: skip
+    record = corpus.record
+    if problems or record is None:
+        return problems
+    try:  # a read that differs is read once more: damage on the way is not the store's
+        for _ in range(2):
+            bad = record.first_bad(streamed_digests(corpus), 0)
+            if bad is None:
+                return []
+    except HpDataError as exc:
+        return [str(exc)]
+    fix = " on two reads: the store's .bin is not the one hp-data wrote; upload it again"
+    return [block_problem(corpus.bin_url, corpus.metadata_url, bad, record.block_bytes, fix)]
+
+
+__all__ = ["IndexedDataset", "dataset_problems"]

@@ -51,12 +51,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from hp_data import fs
 from hp_data.cache import cache_key, key_lock, resolve_cache_dir
 from hp_data.errors import HpDataError, IndexedDatasetError
 from hp_data.format.blocks import BLOCK_BYTES, BlockHasher, BlockRecord
 from hp_data.format.header import bin_path, idx_path, metadata_path
 from hp_data.format.metadata import read_metadata
+from hp_data.fs import AtomicFile, temp_glob, temp_target, write_bytes
 from hp_data.redact import redact, redact_data
 from hp_data.remote import (
     DEFAULT_TIMEOUT,
@@ -241,7 +241,7 @@ class RemoteCorpus:
         base = os.path.join(self.directory, "copy")
 
         def ours(name: str) -> bool:  # a download of the .idx or the .hp.json under way
-            return fs.temp_target(name) in ("dataset.idx", "dataset.hp.json")
+            return temp_target(name) in ("dataset.idx", "dataset.hp.json")
 
         with self._turn(base, self.idx_url, "the .idx", lambda: _parts(self.directory, ours)):
             for url, pin, suffix in wanted:
@@ -250,7 +250,7 @@ class RemoteCorpus:
             source = os.path.join(self.directory, "source.json")
             if not os.path.exists(source):
                 record = {"url": self.url, "pins": {k: repr(p) for k, p in self.pins.items()}}
-                fs.write_bytes(source, json.dumps(redact_data(record), indent=2).encode())
+                write_bytes(source, json.dumps(redact_data(record), indent=2).encode())
 
     @contextlib.contextmanager
     def _turn(
@@ -309,7 +309,7 @@ class RemoteCorpus:
         base = os.path.join(self.chunk_dir, f"stripe-{stripe}")
 
         def ours(name: str) -> bool:  # a download of one of this stripe's chunks under way
-            chunk = fs.temp_target(name)
+            chunk = temp_target(name)
             return (
                 chunk is not None
                 and _CHUNK_NAME.fullmatch(chunk) is not None
@@ -487,14 +487,14 @@ def _download(
     None: they are not what was written, nothing is renamed, and this returns False. Called
     under `target`'s lock, so another temporary file of it is a killed process's half
     download: deleted (nothing else would, and it is not counted in the cache bound)."""
-    for stale in glob.glob(fs.temp_glob(target)):
+    for stale in glob.glob(temp_glob(target)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(stale)
     hasher = BlockHasher(block_bytes) if seal is not None else None
     # Not synced: a cache, and a chunk torn by a power cut fails its trailer's check.
     with (
         open_pinned(url, pin, "a dataset file") as stream,
-        fs.AtomicFile(target, durable=False) as out,
+        AtomicFile(target, durable=False) as out,
     ):
         stream.seek(start)
         left = size

@@ -7,9 +7,8 @@ import sys
 import click
 
 from hp_data.cli.conventions import _Command, _echo, _emit, _json_option, _quiet_option
-from hp_data.dataset import IndexedDataset
+from hp_data.dataset import IndexedDataset, dataset_problems
 from hp_data.format import expand_prefixes
-from hp_data.format.validate import dataset_problems
 from hp_data.merge import merge_datasets
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from hp_data.errors import IndexedDatasetError
-from hp_data.format.blocks import block_problem, record_problems, streamed_digests
+from hp_data.format.blocks import record_problems
 from hp_data.format.header import bin_path, idx_path, map_index_arrays, read_layout
 from hp_data.format.metadata import read_metadata
 
@@ -120,11 +120,8 @@ def bin_size_problem(expected: int, itemsize: int, bin_size: int, bin_name: str)
 
 
 def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
-    """Every broken invariant of the dataset at `prefix`, one line each; empty when sound."""
-    from hp_data.object_store import is_url  # object_store reads format/: imported here
-
-    if is_url(prefix):
-        return remote_problems(prefix, multimodal)
+    """Every broken invariant of the local dataset at `prefix`, one line each; empty when
+    sound (a URL prefix's: `hp_data.dataset.dataset_problems`)."""
     try:
         layout = read_layout(idx_path(prefix), multimodal)
     except IndexedDatasetError as exc:
@@ -150,37 +147,3 @@ def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
         return [*problems, str(exc)]
     # The record is read only of a .bin that is sound so far: one of the wrong size is named.
     return problems or record_problems(prefix, metadata, data)
-
-
-def remote_problems(prefix: str, multimodal: bool = False) -> list[str]:
-    """`dataset_problems` of a URL prefix: the `.idx` (copied into the node cache) against the
-    `.bin` object's size and, where the `.hp.json` records block hashes, the `.bin` streamed
-    once from the store (not cached) against them: a whole download of it."""
-    from hp_data.errors import HpDataError
-    from hp_data.object_store import RemoteCorpus, StoreOptions
-
-    try:  # opening reads the pins, copies the .idx and parses the record against the .bin
-        corpus = RemoteCorpus(idx_path(prefix)[:-4], StoreOptions())
-        local = corpus.local_prefix + ".idx"
-        try:
-            layout = read_layout(local, multimodal)
-        except IndexedDatasetError as exc:  # named as the user named it
-            return [str(exc).replace(local, corpus.idx_url)]
-    except HpDataError as exc:
-        return [str(exc)]
-    lengths, pointers, documents, _ = map_index_arrays(layout, with_modes=False)
-    itemsize = layout.dtype.itemsize
-    problems = list(array_problems(lengths, pointers, documents, itemsize, corpus.bin_size,
-                                   corpus.idx_url, corpus.bin_url))  # fmt: skip
-    record = corpus.record
-    if problems or record is None:
-        return problems
-    try:  # a read that differs is read once more: damage on the way is not the store's
-        for _ in range(2):
-            bad = record.first_bad(streamed_digests(corpus), 0)
-            if bad is None:
-                return []
-    except HpDataError as exc:
-        return [str(exc)]
-    fix = " on two reads: the store's .bin is not the one hp-data wrote; upload it again"
-    return [block_problem(corpus.bin_url, corpus.metadata_url, bad, record.block_bytes, fix)]
