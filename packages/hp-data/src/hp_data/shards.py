@@ -224,6 +224,45 @@ def _run_of_output(base: str) -> str | None:
     return None
 
 
+def _read_manifest(path: str, index: int, count: int) -> dict[str, Any]:
+    """Shard `index` of `count`'s manifest at `path`, checked to be one hp-data wrote whole."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            manifest = json.load(stream)
+    except FileNotFoundError:
+        raise PreprocessError(
+            f"{path}: shard {index} of {count} is missing or not finished; run it "
+            f"(--num-shards {count} --shard-index {index}) and merge again"
+        ) from None
+    except ValueError as exc:
+        raise PreprocessError(f"{path}: unreadable shard manifest: {exc}") from None
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    if version is not None and version != MANIFEST_VERSION:
+        why = "not a version hp-data writes"
+        if type(version) is int:
+            older = "older ones record no checksums of the shard's files"
+            why = older if version < MANIFEST_VERSION else "from a newer hp-data"
+        raise PreprocessError(
+            f"{path}: a shard manifest of version {version!r}, not {MANIFEST_VERSION} "
+            f"({why}); " + _rerun(index, count)
+        )
+    if not isinstance(manifest, dict) or not manifest.keys() >= _FIELDS:
+        raise PreprocessError(
+            f"{path}: not a shard manifest of hp-data (needs {', '.join(sorted(_FIELDS))}); "
+            + _rerun(index, count)
+        )
+    if not _files_ok(manifest):
+        raise PreprocessError(
+            f"{path}: its 'files' does not give the size and xxh3_128 of each of the "
+            "shard's files; " + _rerun(index, count)
+        )
+    units = manifest["units"]
+    if not (isinstance(units, list) and len(units) == 2 and all(type(u) is int for u in units)):
+        raise PreprocessError(f"{path}: its 'units' is not [start, stop]; " + _rerun(index, count))
+    manifest["path"] = path
+    return manifest
+
+
 def _manifests(base: str) -> list[dict[str, Any]]:
     """Every shard manifest of `base`, checked to form one complete run, in order."""
     found = _manifest_paths(base)
@@ -242,46 +281,10 @@ def _manifests(base: str) -> list[dict[str, Any]]:
     if len(counts) != 1:
         raise PreprocessError(f"{base}: shards of runs split {sorted(counts)} ways; keep one")
     count = counts.pop()
-    manifests: list[dict[str, Any]] = []
-    for index in range(count):
-        path = shard_name(base, index, count) + ".json"
-        try:
-            with open(path, encoding="utf-8") as stream:
-                manifest = json.load(stream)
-        except FileNotFoundError:
-            raise PreprocessError(
-                f"{path}: shard {index} of {count} is missing or not finished; run it "
-                f"(--num-shards {count} --shard-index {index}) and merge again"
-            ) from None
-        except ValueError as exc:
-            raise PreprocessError(f"{path}: unreadable shard manifest: {exc}") from None
-        version = manifest.get("version") if isinstance(manifest, dict) else None
-        if version is not None and version != MANIFEST_VERSION:
-            why = "not a version hp-data writes"
-            if type(version) is int:
-                older = "older ones record no checksums of the shard's files"
-                why = older if version < MANIFEST_VERSION else "from a newer hp-data"
-            raise PreprocessError(
-                f"{path}: a shard manifest of version {version!r}, not {MANIFEST_VERSION} "
-                f"({why}); " + _rerun(index, count)
-            )
-        if not isinstance(manifest, dict) or not manifest.keys() >= _FIELDS:
-            raise PreprocessError(
-                f"{path}: not a shard manifest of hp-data (needs {', '.join(sorted(_FIELDS))}); "
-                + _rerun(index, count)
-            )
-        if not _files_ok(manifest):
-            raise PreprocessError(
-                f"{path}: its 'files' does not give the size and xxh3_128 of each of the "
-                "shard's files; " + _rerun(index, count)
-            )
-        units = manifest["units"]
-        if not (isinstance(units, list) and len(units) == 2 and all(type(u) is int for u in units)):
-            raise PreprocessError(
-                f"{path}: its 'units' is not [start, stop]; " + _rerun(index, count)
-            )
-        manifest["path"] = path
-        manifests.append(manifest)
+    manifests = [
+        _read_manifest(shard_name(base, index, count) + ".json", index, count)
+        for index in range(count)
+    ]
     first = manifests[0]
     covered = 0
     for manifest in manifests:
