@@ -130,3 +130,20 @@ def test_first_line():
     assert fs.first_line(ValueError("one\ntwo")) == "one"
     assert fs.first_line(ValueError("one\ntwo"), named=True) == "ValueError: one"
     assert fs.first_line(KeyError()) == "KeyError"
+
+
+def test_an_output_directory_to_make_is_judged_by_the_nearest_one_that_stands(tmp_path):
+    """`creatable_dir_problem`: a path to create below a directory is fine; a file where a
+    parent should be, or a name longer than the file system takes, is named in one line."""
+    from hp_data.fs import creatable_dir_problem
+
+    assert creatable_dir_problem(str(tmp_path)) is None
+    assert creatable_dir_problem(str(tmp_path / "a" / "b")) is None
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    assert creatable_dir_problem(str(blocker)) == "it is not a directory"
+    assert creatable_dir_problem(str(blocker / "run"), lambda p: f"<{p}>") == (
+        f"<{blocker}> is not a directory"
+    )
+    assert creatable_dir_problem(str(tmp_path / ("x" * 256))) == "the name is too long"
+    assert blocker.read_text() == "mine"  # nothing of the user's touched

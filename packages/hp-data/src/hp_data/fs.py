@@ -24,7 +24,7 @@ import json
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 TEMP_MARK = ".tmp-"  # TARGET.tmp-...: a file being written; .tmp-NAME: a directory staged
@@ -177,6 +177,25 @@ def writable_dir_problem(directory: str, fix: str = "") -> str | None:
         return f"{problem}; {fix}" if fix else problem
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"cannot write in {directory} (permission denied)"
+    return None
+
+
+def creatable_dir_problem(path: str, show: Callable[[str], str] = str) -> str | None:
+    """Why `path` can be neither a directory this process writes in nor one it can create
+    (with its parents), in one line naming the nearest directory that stands ("it" when that
+    is `path` itself, else `show(parent)`), else None: an output directory checked before a
+    job makes it."""
+    target = here = os.path.abspath(path)
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    shown = "it" if here == target else show(here)
+    if not os.path.isdir(here):
+        return f"{shown} is not a directory"
+    if not os.access(here, os.W_OK | os.X_OK):
+        return f"{shown} is not writable"
+    longest = max(len(os.fsencode(part)) for part in os.path.relpath(target, here).split(os.sep))
+    if longest > 255 or len(os.fsencode(target)) > 4000:  # NAME_MAX, PATH_MAX on Linux
+        return "the name is too long"
     return None
 
 

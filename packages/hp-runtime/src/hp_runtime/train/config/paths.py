@@ -7,6 +7,7 @@ import glob
 import os
 
 from hp_data.errors import HpDataError
+from hp_data.fs import creatable_dir_problem
 from hp_data.registry import dataset_type
 
 from hp_runtime.train.config.messages import _reason, _shown
@@ -49,17 +50,9 @@ def _writable_dir(key: str, path: str) -> None:
     if not path:
         raise ConfigError(f"{key}: empty; give a directory")
     _plain(key, path)
-    target = here = os.path.abspath(path)
-    while _kind(here) is None and os.path.dirname(here) != here:
-        here = os.path.dirname(here)
-    shown = "it" if here == target else _shown(here)
-    if _kind(here) != "dir":
-        raise ConfigError(f"{key}: {_shown(path)}: {shown} is not a directory")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: {_shown(path)}: {shown} is not writable")
-    longest = max(len(os.fsencode(part)) for part in os.path.relpath(target, here).split(os.sep))
-    if longest > 255 or len(os.fsencode(target)) > 4000:  # NAME_MAX, PATH_MAX on Linux
-        raise ConfigError(f"{key}: {_shown(path)}: the name is too long")
+    problem = creatable_dir_problem(path, _shown)
+    if problem is not None:
+        raise ConfigError(f"{key}: {_shown(path)}: {problem}")
 
 
 def _need_corpus(key: str, config: Config, spec: str) -> None:
