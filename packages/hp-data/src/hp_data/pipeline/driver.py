@@ -23,7 +23,7 @@ from hp_data.format.header import bin_path, idx_path
 from hp_data.format.metadata import SCHEMA as METADATA_SCHEMA
 from hp_data.pipeline.options import PreprocessOptions, output_prefixes
 from hp_data.pipeline.summary import PreprocessSummary
-from hp_data.pipeline.unit_writer import INVALID_EXAMPLES, _Run
+from hp_data.pipeline.unit_writer import INVALID_EXAMPLES, _UnitWriter
 from hp_data.pipeline.workdir import _config_hash, _UnitStats, _WorkDir
 from hp_data.pipeline.worker import (
     VERIFY_EVERY,
@@ -83,7 +83,7 @@ def preprocess(
 
 
 @dataclass
-class _Job:
+class _Prepared:
     """What `_prepare` decided, for `_tokenize` and `_commit`: the units, the outputs, the
     tokenizer and its engine, and how much of an earlier run is taken up."""
 
@@ -167,7 +167,7 @@ def _prepare(
     out_prefix: str,
     tokenizer_path: str | TokenizerFiles,
     options: PreprocessOptions,
-) -> _Job | PreprocessSummary:
+) -> _Prepared | PreprocessSummary:
     """Check the options, plan the inputs, choose the engine and take up an earlier run's
     work: whatever refuses the run does so before its first token. A shard that an earlier
     run finished is not done again: its summary is returned."""
@@ -222,12 +222,14 @@ def _prepare(
         if done is not None:
             return PreprocessSummary(**{**done, "resumed_shards": done["shards"]})
         work_prefix = task.prefix
-    job = _Job(options, mine, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task)
+    job = _Prepared(
+        options, mine, outputs, dtype, tokenizer, spec, metadata, work_prefix, config, task
+    )
     job.resume()
     return job
 
 
-def _tokenize(job: _Job) -> _Run:
+def _tokenize(job: _Prepared) -> _UnitWriter:
     """Every unit not done yet, through the workers into the work directory. Where the
     tiktoken engine gave other ids than tokenizers on a document, what it wrote is suspect:
     the work directory goes, and every unit is tokenized again with tokenizers, or the run
@@ -241,7 +243,7 @@ def _tokenize(job: _Job) -> _Run:
             enabled=options.show_progress,
             already=sum(u.nbytes for u in units[: job.resumed]),
         )
-        run = _Run(
+        run = _UnitWriter(
             job.workdir, units, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
         )
         try:
@@ -268,7 +270,7 @@ def _tokenize(job: _Job) -> _Run:
         return run
 
 
-def _commit(job: _Job, run: _Run, started: float) -> PreprocessSummary:
+def _commit(job: _Prepared, run: _UnitWriter, started: float) -> PreprocessSummary:
     """Every key's output complete, with what made it, before any is renamed into place; a
     shard's hashes and manifest after its datasets; the work directory last."""
     workdir, outputs = job.workdir, job.outputs
@@ -309,7 +311,7 @@ def _max_token_id(stats: list[_UnitStats], key: str) -> dict[str, int]:
     return {"max_token_id": max(found, default=None)}  # type: ignore[type-var]
 
 
-def _provenance(job: _Job, stats: list[_UnitStats], key: str) -> Provenance:
+def _provenance(job: _Prepared, stats: list[_UnitStats], key: str) -> Provenance:
     """The units of this run as the sidecar of `key`'s output records them (provenance.py):
     a JSON lines byte range's earlier lines are counted from the units before it in this
     run, else left unknown (a shard: its merge resolves them)."""
@@ -347,7 +349,9 @@ def _provenance(job: _Job, stats: list[_UnitStats], key: str) -> Provenance:
     )
 
 
-def _summarize(stats: list[_UnitStats], job: _Job, run: _Run, started: float) -> PreprocessSummary:
+def _summarize(
+    stats: list[_UnitStats], job: _Prepared, run: _UnitWriter, started: float
+) -> PreprocessSummary:
     outputs, seen = job.outputs, job.seen
     invalid: dict[str, int] = {}
     for unit_stats in stats:

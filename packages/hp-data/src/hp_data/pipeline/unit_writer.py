@@ -22,7 +22,7 @@ from hp_data.remote import check_unchanged
 INVALID_EXAMPLES = 5
 
 
-class _Run:
+class _UnitWriter:
     """The main process's side of a run: takes results in order, writes each unit's dataset."""
 
     def __init__(

@@ -6,7 +6,7 @@ and the presets, which need no torch, so a bad config is refused before torch lo
 
 from typing import TYPE_CHECKING
 
-from hp_runtime.face import lazy_face
+from hp_runtime.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from hp_runtime.model.config import PRESETS, ModelConfig, RopeScaling, preset
@@ -23,7 +23,7 @@ _HOMES = {
 }
 
 
-lazy_face(__name__, _HOMES)
+lazy_names(__name__, _HOMES)
 
 
 __all__ = ["PRESETS", "ModelConfig", "RopeScaling", "Transformer", "initial_tensor", "preset"]

@@ -9,7 +9,7 @@ a function; the package keeps the function under that name even after the submod
 
 from typing import TYPE_CHECKING
 
-from hp_runtime.face import lazy_face
+from hp_runtime.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from hp_runtime.parallel.assemble import Assembly, assemble
@@ -31,7 +31,7 @@ _HOMES = {
 }
 
 
-lazy_face(__name__, _HOMES)
+lazy_names(__name__, _HOMES)
 
 __all__ = [
     "Assembly",

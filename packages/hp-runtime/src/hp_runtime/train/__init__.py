@@ -7,7 +7,7 @@ tokenizers or multiprocessing.
 
 from typing import TYPE_CHECKING
 
-from hp_runtime.face import lazy_face
+from hp_runtime.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from hp_runtime.train.config import Config, load_config
@@ -24,7 +24,7 @@ _HOMES = {
 }
 
 
-lazy_face(__name__, _HOMES)
+lazy_names(__name__, _HOMES)
 
 
 __all__ = ["Config", "ConfigError", "RunResult", "load_config", "train"]

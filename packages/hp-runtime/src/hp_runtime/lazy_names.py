@@ -29,7 +29,7 @@ class _Face(types.ModuleType):
         return sorted({*super().__dir__(), *self._homes})
 
 
-def lazy_face(module: str, homes: dict[str, str]) -> None:
+def lazy_names(module: str, homes: dict[str, str]) -> None:
     """Make package `module` hand out each name in `homes` (name -> defining module) from its
     module on first use."""
     package = sys.modules[module]
