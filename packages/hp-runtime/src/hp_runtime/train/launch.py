@@ -109,7 +109,7 @@ def stop() -> None:
 
 
 def agree(failure: BaseException | None, runtime: Runtime) -> None:
-    """Every rank calls this after a phase that may fail on some ranks only. If any failed,
+    """Every rank calls this after a piece of work that may fail on some ranks only. If any failed,
     all raise: the lowest failing rank its own error, the others `PeerFailed`."""
     flag = torch.tensor(
         [runtime.rank if failure is not None else runtime.world_size], device=runtime.device

@@ -139,7 +139,7 @@ def checkpoint_meta(config: Config, text: str, datasets: Datasets) -> dict[str, 
 
 
 def agreed(outcome: TrainError | None, runtime: Runtime) -> str | None:
-    """One phase of a resume, judged on every rank alike: a refusal on any rank stops them
+    """One part of a resume (its checks, its load), judged on every rank alike: a refusal on any rank stops them
     all (the lowest reports it); damage on any is named by the lowest damaged rank's message
     everywhere (None: no rank found any)."""
     refused = outcome is not None and not outcome.fallback
