@@ -101,3 +101,20 @@ def test_check_of_a_url_reads_again_past_damage_on_the_way(tmp_path, dataset):
     assert code == 0, output
     assert output.splitlines()[-1] == "check: ok, every invariant holds"
     assert damaged == 1 and "on two reads" in again
+
+
+def test_cache_dir_is_where_a_url_is_cached_and_a_bad_one_falls_back(tmp_path, dataset):
+    """`inspect --cache-dir DIR`: a URL prefix's .idx lands under DIR (and nothing under the
+    shared temporary cache); a DIR the user's file stands at is left alone, with one warning
+    naming it, and the report read through the temporary cache is the same."""
+    cache, mine = tmp_path / "cache", tmp_path / "notes.txt"
+    mine.write_text("the user's own file")
+    with fault_server(_served(tmp_path / "served", dataset)) as server:
+        url = server.url("docs")
+        code, first = _inspect(url, "--json", "--check", "--cache-dir", str(cache))
+        assert code == 0, first
+        assert list(cache.rglob("*.idx")) and not list((tmp_path / "tmp").rglob("*.idx"))
+        result = CliRunner().invoke(main, ["inspect", url, "--json", "--cache-dir", str(mine)])
+    assert result.exit_code == 0 and "Traceback" not in result.output
+    assert mine.read_text() == "the user's own file"
+    assert json.loads(result.stdout) == json.loads(first)

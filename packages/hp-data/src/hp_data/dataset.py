@@ -44,20 +44,24 @@ class IndexedDataset(reader.IndexedDataset):
         return {**super().__getstate__(), "_store": self._store}
 
 
-def dataset_problems(prefix: str, multimodal: bool = False) -> list[str]:
-    """Every broken invariant of the dataset at `prefix`, local or a URL, one line each;
-    empty when sound (`hp-data inspect --check`)."""
+def dataset_problems(
+    prefix: str, multimodal: bool = False, store: StoreOptions | None = None
+) -> list[str]:
+    """Every broken invariant of the dataset at `prefix`, local or a URL (read through the
+    node cache `store` describes), one line each; empty when sound (`inspect --check`)."""
     if is_url(prefix):
-        return remote_problems(prefix, multimodal)
+        return remote_problems(prefix, multimodal, store)
     return validate.dataset_problems(prefix, multimodal)
 
 
-def remote_problems(prefix: str, multimodal: bool = False) -> list[str]:
+def remote_problems(
+    prefix: str, multimodal: bool = False, store: StoreOptions | None = None
+) -> list[str]:
     """`dataset_problems` of a URL prefix: the `.idx` (copied into the node cache) against the
     `.bin` object's size and, where the `.hp.json` records block hashes, the `.bin` streamed
     once from the store (not cached) against them: a whole download of it."""
     try:  # opening reads the pins, copies the .idx and parses the record against the .bin
-        corpus = RemoteCorpus(idx_path(prefix)[:-4], StoreOptions())
+        corpus = RemoteCorpus(idx_path(prefix)[:-4], store or StoreOptions())
         local = corpus.local_prefix + ".idx"
         try:
             layout = read_layout(local, multimodal)

@@ -10,6 +10,7 @@ from hp_data.cli.conventions import _Command, _echo, _emit, _json_option, _quiet
 from hp_data.dataset import IndexedDataset, dataset_problems
 from hp_data.format import expand_prefixes
 from hp_data.merge import merge_datasets
+from hp_data.object_store import StoreOptions
 from hp_data.shards import merge_shards
 from hp_data.summary import format_report, show_documents, summarize
 
@@ -37,6 +38,11 @@ from hp_data.summary import format_report, show_documents, summarize
     "files only), as preprocess does.",
 )
 @click.option("--multimodal", is_flag=True, help="The index carries sequence modes.")
+@click.option(
+    "--cache-dir",
+    help="For a URL prefix: the node cache its .idx and chunks are read through (default: "
+    "the shared temporary one; hp-train's data.cache_dir reuses what this one holds).",
+)
 def inspect(
     path: str,
     check: bool,
@@ -46,10 +52,12 @@ def inspect(
     tokenizer: str | None,
     allow_download: bool,
     multimodal: bool,
+    cache_dir: str | None,
 ) -> None:
     """Describe the dataset at PATH (a prefix, its .idx or .bin, or a URL prefix)."""
+    store = StoreOptions(cache_dir=cache_dir)
     if check:
-        problems = dataset_problems(path, multimodal)
+        problems = dataset_problems(path, multimodal, store)
         if problems:
             if as_json:
                 _emit({"prefix": path}, problems)
@@ -58,7 +66,7 @@ def inspect(
                 for problem in problems:
                     _echo(f"  {problem}", err=True)
             sys.exit(1)
-    with IndexedDataset(path, multimodal=multimodal) as dataset:
+    with IndexedDataset(path, multimodal=multimodal, store=store) as dataset:
         report = summarize(dataset)
         if show:
             report["shown"] = show_documents(dataset, show, tokenizer, allow_download)

@@ -139,9 +139,9 @@ def checkpoint_meta(config: Config, text: str, datasets: Datasets) -> dict[str, 
 
 
 def agreed(outcome: TrainError | None, runtime: Runtime) -> str | None:
-    """One part of a resume (its checks, its load), judged on every rank alike: a refusal on any rank stops them
-    all (the lowest reports it); damage on any is named by the lowest damaged rank's message
-    everywhere (None: no rank found any)."""
+    """One part of a resume (its checks, its load), judged on every rank alike: a refusal on
+    any rank stops them all (the lowest reports it); damage on any is named by the lowest
+    damaged rank's message everywhere (None: no rank found any)."""
     refused = outcome is not None and not outcome.fallback
     agree(outcome if refused else None, runtime)
     return lowest_message(None if outcome is None else str(outcome), runtime)
