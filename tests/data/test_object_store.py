@@ -21,7 +21,7 @@ from hp_data.gpt import GPTDataset, GPTDatasetConfig
 from hp_data.object_store import StoreOptions
 from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
 from hp_data.sampler import PretrainingSampler
-from hp_data.torch import make_dataloader
+from hp_data.torch_adapter import make_dataloader
 
 from tests.helpers.fault_http import Faults, fault_server
 from tests.helpers.object_store import (

@@ -47,7 +47,7 @@ def plain_loop(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from hp_data.registry import DatasetConfig, build_dataset
     from hp_data.sampler import PretrainingSampler
-    from hp_data.torch import make_dataloader
+    from hp_data.torch_adapter import make_dataloader
     from hp_runtime.model import Transformer, preset
     from hp_runtime.parallel import init_weights
     from torch.distributed.device_mesh import init_device_mesh

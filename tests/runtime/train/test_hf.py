@@ -313,14 +313,14 @@ def _checkpoint_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Model
 
 def test_a_killed_export_leaves_the_old_export_or_the_new(tiny_run, tmp_path):
     """A real SIGKILL before each filesystem step of an export (tests/helpers/kill_anywhere)."""
-    from hp_runtime.train import exportdir
+    from hp_runtime.train import export_output
     from hp_runtime.train.hf import write_hf
 
     from tests.helpers.kill_anywhere import _in_child
 
     tensors, config = _checkpoint_tensors(tiny_run / "checkpoints" / "step-0000003")
     out = tmp_path / "hf"
-    points = [(exportdir, "_exchange"), (os, "rmdir")]
+    points = [(export_output, "_exchange"), (os, "rmdir")]
 
     def job(shard_bytes: int):
         return lambda: write_hf(tensors, config, str(out), "float32", shard_bytes) and None
@@ -363,7 +363,7 @@ def test_an_export_replaces_the_previous_one_without_rename_exchange(
     tiny_run, tmp_path, monkeypatch
 ):
     """On a filesystem without RENAME_EXCHANGE (NFS) the previous export is renamed aside."""
-    from hp_runtime.train import exportdir
+    from hp_runtime.train import export_output
 
     checkpoint = tiny_run / "checkpoints" / "step-0000003"
     assert _export(checkpoint, tmp_path / "hf", "--max-shard-size", "50KB").exit_code == 0
@@ -371,7 +371,7 @@ def test_an_export_replaces_the_previous_one_without_rename_exchange(
     def unsupported(a: str, b: str) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(exportdir, "_exchange", unsupported)
+    monkeypatch.setattr(export_output, "_exchange", unsupported)
     done = _export(checkpoint, tmp_path / "hf")
     assert done.exit_code == 0, done.stderr
     assert sorted(os.listdir(tmp_path / "hf")) == [

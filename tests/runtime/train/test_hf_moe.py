@@ -567,7 +567,7 @@ def _stored(checkpoint: Path, out: Path, old: str, new: str) -> Path:
 @pytest.mark.slow
 def test_an_export_of_a_moe_checkpoint_is_refused_in_one_line(ep2_run, tmp_path):
     """What no family computes, and a checkpoint without the expert tensors its config has:
-    one line each, nothing written; over a directory of the user's files, exportdir's rules."""
+    one line each, nothing written; over a directory of the user's files, export_output's rules."""
     checkpoint = ep2_run / "checkpoints" / "step-0000002"
     routing = 'shared_experts = 0, router = "softmax", renormalize = true'
     unnormalised = _stored(checkpoint, tmp_path / "plain", routing,

@@ -2,7 +2,7 @@
 
 For the same corpus, split, seed, sequence length and sample count, sample `i` is the same
 token window as megatron-core 0.16's `GPTDataset[i]` (tested element for element). Items are
-numpy arrays; `hp_data.torch` turns them into tensors.
+numpy arrays; `hp_data.torch_adapter` turns them into tensors.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ class GPTDataset:
         """Items `indices` stacked to [B, L] (cu_seqlens, if asked, as a list).
 
         API: the batch of a numpy user's own loop (README, docs/datasets.md); hp-train batches
-        through torch's DataLoader (`hp_data.torch`) instead."""
+        through torch's DataLoader (`hp_data.torch_adapter`) instead."""
         items = [self[int(i)] for i in indices]
         if not items:  # an empty batch has the item's shapes, with no rows
             length = self.config.seq_length

@@ -142,7 +142,7 @@ def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -
     """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF directory (Llama, Qwen3,
     Mixtral, Qwen3-MoE, Dots1 or GLM-4-MoE: the family that is exactly its model)."""
     from hp_runtime.train.errors import TrainError
-    from hp_runtime.train.exportdir import leftovers
+    from hp_runtime.train.export_output import leftovers
     from hp_runtime.train.hf import export_checkpoint
 
     try:

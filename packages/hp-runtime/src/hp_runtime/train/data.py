@@ -34,7 +34,7 @@ from hp_data.registry import DataSource, resolve
 from hp_data.sampler import PretrainingSampler
 from hp_data.token_ids import token_ids
 from hp_data.tokenize import TokenizerFiles, vocab_size
-from hp_data.torch import make_dataloader, worker_message
+from hp_data.torch_adapter import make_dataloader, worker_message
 
 from hp_runtime.train.config import BatchRamp, Config, DataConfig
 from hp_runtime.train.errors import ConfigError, TrainError

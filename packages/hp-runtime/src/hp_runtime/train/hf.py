@@ -27,7 +27,7 @@ from hp_runtime.parallel.init import copy_full_
 from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
-from hp_runtime.train.exportdir import ExportTarget
+from hp_runtime.train.export_output import ExportTarget
 from hp_runtime.train.hf_families import (
     MOE_SHAPE,
     STACKED,
@@ -133,7 +133,7 @@ def write_hf(
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
     """`tensors` (hp names, full) as an HF directory of the model's family, written whole or
-    not at all and never over anything but a previous export (`exportdir`)."""
+    not at all and never over anything but a previous export (`export_output`)."""
     with ExportTarget(out) as target:
         return _write_hf(tensors, config, target, dtype, max_shard_bytes)
 

@@ -2,9 +2,9 @@
 
 hp datasets return `dict[str, numpy.ndarray]` items: `tokens`, `labels`, `position_ids` (int64
 [L]), `loss_mask` (float32 [L]) and optionally `cu_seqlens` (int32 [k+1], document boundaries
-inside the sample, from 0 to L). This module turns them into tensors and batches, and is the only
-place hp_data touches torch; torch is imported inside functions so that `import hp_data.torch`
-(and the rest of hp_data) still works on a machine without it.
+inside the sample, from 0 to L). This module turns them into tensors and batches, and is the
+only place hp_data touches torch; torch is imported inside functions so that
+`import hp_data.torch_adapter` (and the rest of hp_data) still works on a machine without it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _torch() -> Any:
         import torch
     except ImportError as exc:
         raise ModuleNotFoundError(
-            "hp_data.torch needs torch: install it (pip install torch) to build tensors"
+            "hp_data.torch_adapter needs torch: install it (pip install torch) to build tensors"
         ) from exc
     return torch
 

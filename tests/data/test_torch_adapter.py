@@ -1,4 +1,5 @@
-"""hp_data.torch: hp items become tensors, batches stack to [B, L], cu_seqlens pack for varlen."""
+"""hp_data.torch_adapter: hp items become tensors, batches stack to [B, L], cu_seqlens pack
+for varlen."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from hp_data.sampler import PretrainingSampler
-from hp_data.torch import as_torch_dataset, collate, make_dataloader
+from hp_data.torch_adapter import as_torch_dataset, collate, make_dataloader
 
 L = 8
 
@@ -165,7 +166,7 @@ def test_adapter_imports_without_torch_and_says_why_it_fails():
     script = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None
-        import hp_data.torch as adapter
+        import hp_data.torch_adapter as adapter
         for call in (lambda: adapter.as_torch_dataset([]), lambda: adapter.collate([{}])):
             try:
                 call()
