@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
+from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.config import BatchRamp, CheckpointConfig, Config, as_table, toml_value
-from hp_runtime.train.data import BatchPlan
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState

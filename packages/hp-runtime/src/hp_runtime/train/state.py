@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from hp_runtime.train.data import BatchPlan
+from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.optim import Optimizers
 

@@ -161,7 +161,7 @@ def verify(
 ) -> bool:
     """Run the shrunk layout on every rank and its one-process twin on rank 0; print the
     differences on rank 0; True (on every rank) when all are within `tolerance`."""
-    from hp_runtime.train.data import batch_plan
+    from hp_runtime.train.batch import batch_plan
     from hp_runtime.train.loop import train
 
     stream = stream or sys.stdout
