@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
-from hp_runtime.train.checkpoint import committed, read_meta
+from hp_runtime.train.checkpoint_format import committed, read_meta
 from hp_runtime.train.config import load_config
 from hp_runtime.train.dirlock import hold_run_dir
 from hp_runtime.train.errors import TrainError
