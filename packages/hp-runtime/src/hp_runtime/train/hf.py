@@ -28,17 +28,9 @@ from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.exportdir import ExportTarget
-from hp_runtime.train.hf_families import (
-    MOE_SHAPE,
-    STACKED,
-    Family,
-    config_json,
-    export_family,
-    family_of,
-    hf_names,
-    is_fused,
-    read_config,
-)
+from hp_runtime.train.hf_config import MOE_SHAPE, config_json, read_config
+from hp_runtime.train.hf_families import Family, export_family, family_of
+from hp_runtime.train.hf_names import STACKED, hf_names, is_fused
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
