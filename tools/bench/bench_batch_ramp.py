@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.config import BatchRamp
-from hp_runtime.train.data import BatchPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
 from tests.helpers.megatron import ramp_calculator

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hp_runtime.train.checkpoint import CheckpointError, check_ramp
+from hp_runtime.train.batch import batch_plan
+from hp_runtime.train.checkpoint_format import CheckpointError
+from hp_runtime.train.compat import check_ramp
 from hp_runtime.train.config import load_config, to_toml
-from hp_runtime.train.data import batch_plan
 from hp_runtime.train.errors import ConfigError
 from hp_runtime.train.launch import Runtime
 from hp_runtime.train.setup import checked_plan

@@ -45,7 +45,7 @@ def _final_model(checkpoint: Path) -> dict[str, torch.Tensor]:
 
     import torch.distributed.checkpoint as dcp
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
     from hp_runtime.train.config import build_config
 
     config = build_config(tomllib.loads(read_meta(str(checkpoint))["config"])).model
@@ -326,7 +326,7 @@ def test_a_corrupt_newest_checkpoint_falls_back(tmp_path):
 
 
 def test_checkpoint_names_sort_by_step(tmp_path):
-    from hp_runtime.train.checkpoint import committed, step_name
+    from hp_runtime.train.checkpoint_format import committed, step_name
 
     for step in (10, 9, 100):
         (tmp_path / step_name(step)).mkdir()

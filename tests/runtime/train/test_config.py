@@ -474,8 +474,9 @@ def test_the_data_section_is_the_registry_config_and_hides_only_what_it_fixes():
     import dataclasses
 
     from hp_data.registry import DatasetConfig
+    from hp_runtime.train.batch import batch_plan
     from hp_runtime.train.config import DataConfig, key_fields
-    from hp_runtime.train.data import batch_plan, resolve_data
+    from hp_runtime.train.data import resolve_data
 
     library = {f.name for f in dataclasses.fields(DatasetConfig)}
     keys = {f.name for f in key_fields(DataConfig)}

@@ -10,8 +10,9 @@ import pytest
 from hp_data import IndexedDataset, IndexedDatasetBuilder, merge_datasets
 from hp_data.format.metadata import read_metadata
 from hp_data.gpt import GPTDataset, GPTDatasetConfig
+from hp_runtime.train.batch import batch_plan
 from hp_runtime.train.config import ConfigError, load_config
-from hp_runtime.train.data import batch_plan, build_datasets, resolve_data, sample_counts
+from hp_runtime.train.data import build_datasets, resolve_data, sample_counts
 from hp_runtime.train.launch import TrainError
 
 from tests.helpers.run import run_preprocess

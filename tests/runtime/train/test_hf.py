@@ -197,7 +197,7 @@ def _checkpoint_logits(directory: str) -> np.ndarray:
 
     import torch.distributed.checkpoint as dcp
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
     from hp_runtime.train.config import build_config
 
     config = build_config(tomllib.loads(read_meta(directory)["config"])).model
@@ -300,7 +300,7 @@ def _checkpoint_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Model
 
     import torch.distributed.checkpoint as dcp
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
     from hp_runtime.train.config import build_config
 
     config = build_config(tomllib.loads(read_meta(str(directory))["config"])).model

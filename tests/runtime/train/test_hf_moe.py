@@ -240,7 +240,7 @@ def _checkpoint_logits(directory: Path) -> np.ndarray:
 
     import torch.distributed.checkpoint as dcp
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
     from hp_runtime.train.config import build_config
 
     config = build_config(tomllib.loads(read_meta(str(directory))["config"])).model

@@ -265,7 +265,8 @@ def test_a_stopped_run_resumes_the_bias_bit_for_bit(tmp_path):
     ],
 )
 def test_a_checkpoint_resumes_only_its_moe_model(saved, now, message):
-    from hp_runtime.train.checkpoint import CheckpointError, check_model
+    from hp_runtime.train.checkpoint_format import CheckpointError
+    from hp_runtime.train.compat import check_model
     from hp_runtime.train.config import load_config, to_toml
 
     def config(moe: dict[str, Any]) -> Any:

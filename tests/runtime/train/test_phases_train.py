@@ -83,7 +83,8 @@ def test_a_two_rank_run_resumes_on_one_with_the_same_samples(corpora, full, tmp_
 
 def test_a_phase_added_to_a_finished_run_keeps_the_earlier_samples(corpora, full, tmp_path):
     from hp_runtime.train import load_config
-    from hp_runtime.train.data import batch_plan, resolve_data
+    from hp_runtime.train.batch import batch_plan
+    from hp_runtime.train.data import resolve_data
 
     added = _phases(
         (1, f"0.5 {corpora['big']} 0.5 {corpora['small']}"), (4, corpora["other"], 32),
@@ -119,8 +120,8 @@ def test_a_phase_inserted_before_the_checkpoint_is_refused(corpora, full, tmp_pa
 
 
 def _refusal(overrides: list[str]) -> str:
+    from hp_runtime.train.batch import batch_plan, phase_starts
     from hp_runtime.train.config import check_paths, load_config
-    from hp_runtime.train.data import batch_plan, phase_starts
     from hp_runtime.train.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:  # what `hp-train` checks before any rank works

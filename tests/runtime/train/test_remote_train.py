@@ -10,8 +10,9 @@ import uuid
 import numpy as np
 import pytest
 from hp_data.errors import HpDataError
+from hp_runtime.train.batch import batch_plan
 from hp_runtime.train.config import ConfigError, load_config
-from hp_runtime.train.data import batch_plan, check_data, resolve_data
+from hp_runtime.train.data import check_data, resolve_data
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.fault_http import fault_server
@@ -187,7 +188,8 @@ def test_bad_values_of_the_remote_keys_are_one_line(override, message):
 def test_the_loader_reads_ahead_the_samples_its_sampler_gives_next():
     """The ids handed to the read-ahead are the ones the sampler yields next on this rank."""
     import torch
-    from hp_runtime.train.data import BatchPlan, Loader
+    from hp_runtime.train.batch import BatchPlan
+    from hp_runtime.train.loader import Loader
 
     plan = BatchPlan(micro_batch_size=2, global_batch_size=8, dp_size=2)
     dataset = [{"tokens": torch.zeros(4, dtype=torch.int64)}] * 200

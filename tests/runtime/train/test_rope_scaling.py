@@ -333,7 +333,8 @@ def test_the_model_config_refuses_what_is_not_a_scaling():
     ],
 )  # fmt: skip
 def test_a_checkpoint_resumes_only_with_its_rope_scaling(saved, now, message):
-    from hp_runtime.train.checkpoint import CheckpointError, check_model
+    from hp_runtime.train.checkpoint_format import CheckpointError
+    from hp_runtime.train.compat import check_model
 
     meta = {"config": to_toml(load_config(None, [*BASE, *saved]))}
     config = load_config(None, [*BASE, *now]).model

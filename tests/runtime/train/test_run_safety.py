@@ -124,7 +124,9 @@ def test_auto_refuses_a_directory_holding_two_runs(reference, tmp_path):
 
 def test_keep_prunes_only_the_runs_own_checkpoints(reference, tmp_path):
     """A foreign checkpoint in the directory (put there by hand) survives `keep`."""
-    from hp_runtime.train.checkpoint import CheckpointConfig, Checkpointer, read_meta
+    from hp_runtime.train.checkpoint import Checkpointer
+    from hp_runtime.train.checkpoint_format import read_meta
+    from hp_runtime.train.config import CheckpointConfig
     from hp_runtime.train.launch import Runtime
 
     target = tmp_path / "run"
@@ -165,7 +167,8 @@ def test_extra_or_missing_tensors_are_named(reference):
     """Below the config check: the tensor sets compared both ways (a checkpoint whose config
     was edited by hand would otherwise load in part)."""
     from hp_runtime.model import ModelConfig
-    from hp_runtime.train.checkpoint import CheckpointError, check_tensors
+    from hp_runtime.train.checkpoint_format import CheckpointError
+    from hp_runtime.train.compat import check_tensors
     from hp_runtime.train.storage import CheckedReader
 
     path = str(reference / "checkpoints" / "step-0000006")

@@ -76,9 +76,9 @@ def test_bad_timeouts_are_one_line(override, message):
 STALL = """
     import os, time
     if os.environ.get("RANK") == "1":  # rank 1's data stalls at its third step
-        import hp_runtime.train.data as data
+        import hp_runtime.train.loader as loader
 
-        take, calls = data.Loader.take, []
+        take, calls = loader.Loader.take, []
 
         def stalled(self, count):
             calls.append(count)
@@ -86,7 +86,7 @@ STALL = """
                 time.sleep(900)  # far past the test's own bound: only the watchdog ends it
             return take(self, count)
 
-        data.Loader.take = stalled
+        loader.Loader.take = stalled
 """
 
 

@@ -21,8 +21,9 @@ from typing import Any
 from hp_data.errors import HpDataError
 from hp_data.provenance import document_input, document_source, sample_pieces, source_text
 
+from hp_runtime.train.batch import batch_plan
 from hp_runtime.train.config import Config, load_config
-from hp_runtime.train.data import batch_plan, check_data, resolve_data
+from hp_runtime.train.data import check_data, resolve_data
 from hp_runtime.train.errors import TrainError
 
 TEXT_CHARS = 80  # of each record's text in the table

@@ -19,6 +19,10 @@ command to resume" stays true).
 With `checkpoint.async` the tensors are copied to host memory and written by a background
 thread (`dcp.async_save`, over a gloo group of its own so its collectives never interleave with
 training's); the commit happens at the first step boundary after the write finished.
+
+This module is the saving side, and the choice of what to resume (`Checkpointer.candidates`).
+What a checkpoint is as read (its names, `meta.json`) is `checkpoint_format.py`; whether this
+run may resume one, `compat.py`; loading it, `checkpoint_load.py`.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ import errno
 import os
 import shutil
 import time
-import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,49 +42,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from hp_data.fs import first_line, fsync_path, is_staging, staging_name
-from hp_data.phases import state_change
-from hp_data.redact import redact_data
-from hp_data.registry import same_samples
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train import rng, storage
-from hp_runtime.train.config import BatchRamp, CheckpointConfig, Config, as_table, toml_value
-from hp_runtime.train.data import BatchPlan
+from hp_runtime.train.checkpoint_format import (
+    CHECKPOINTS,
+    META,
+    METADATA_KEY,
+    CheckpointError,
+    committed,
+    read_meta,
+    step_name,
+    tensors,
+)
+from hp_runtime.train.config import CheckpointConfig
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, agree
 from hp_runtime.train.state import TrainState
-
-CHECKPOINTS = "checkpoints"
-PREFIX = "step-"
-META = "meta.json"
-METADATA_KEY = "dcp_metadata_xxh3"  # meta.json's checksum of DCP's .metadata
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# The data keys a checkpoint records and a resume compares (stored redacted: `redact_data`).
-DATA_KEYS = ("type", "path", "valid_path", "split", "seed", "seq_length")
-# Fields that change nothing a checkpoint holds, so a resume may change them: the init, and
-# the attention kernel (every one computes the same rule; a GPU run's `flex` resumes on CPU).
-INIT_ONLY = {"init_std", "attention"}
-# model.moe's fields a resume may change: the balancing's rates (the bias the checkpoint holds
-# goes on from where it is); every other field shapes or routes the model.
-MOE_MAY_CHANGE = {"aux_loss_coef", "bias_update_rate"}
-TABLES = ("rope_scaling", "moe")  # the model's table keys, compared as config.toml writes them
-
-
-class CheckpointError(TrainError):
-    """A checkpoint that cannot be read (`fallback`: an older one may do), or one this run
-    does not fit (the user decides)."""
-
-    def __init__(self, message: str, fallback: bool = True) -> None:
-        super().__init__(message)
-        self.fallback = fallback
 
 
 class SaveFailed(TrainError):
@@ -92,120 +69,6 @@ class SaveFailed(TrainError):
         self.everywhere = everywhere  # DCP's failures reach every rank; a rank's own file not
 
 
-def step_name(step: int) -> str:
-    return f"{PREFIX}{step:07d}"
-
-
-def committed(root: str) -> list[str]:
-    """Committed checkpoint directories under `root`, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    names = sorted(
-        n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX) :].isdigit()
-    )
-    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
-
-
-# meta.json's fields and their types: a file that parses but is not a checkpoint's is damage.
-_META_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "step": int,
-    "consumed_samples": int,
-    "global_batch_size": int,
-    "world_size": int,
-    "config": str,
-    "data": dict,
-    "guard": dict,
-}
-
-
-def read_meta(path: str) -> dict[str, Any]:
-    """A checkpoint's `meta.json`, checked field by field (damage is a fallback error)."""
-    file = os.path.join(path, META)
-    try:
-        meta = storage.read_json(file, checked=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: missing; {path} is not a hp-train checkpoint") from None
-    except (OSError, storage.Damaged) as exc:
-        reason = str(exc) if isinstance(exc, storage.Damaged) else f"{file}: {exc}"
-        raise CheckpointError(reason) from None
-    for key, kind in _META_FIELDS.items():
-        value = meta.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise CheckpointError(f"{file}: field {key!r} is {value!r}, not a {kind.__name__}")
-        if kind is int and value < (1 if key in ("global_batch_size", "world_size") else 0):
-            raise CheckpointError(f"{file}: field {key!r} is {value}")
-    data, guard = meta["data"], meta["guard"]
-    if not (isinstance(data.get("config"), dict) and isinstance(data.get("fingerprint"), dict)):
-        raise CheckpointError(f"{file}: field 'data' lacks its config or fingerprint")
-    for key in ("losses", "norms"):
-        values = guard.get(key)
-        if not isinstance(values, list) or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in values
-        ):
-            raise CheckpointError(f"{file}: field 'guard.{key}' is not a list of numbers")
-    if not isinstance(meta.get("run_id", ""), str):
-        raise CheckpointError(f"{file}: field 'run_id' is not a string")
-    mixture = meta.get("mixture", {})  # with data.phases: phases begun, per-stream counts
-    if not (
-        isinstance(mixture, dict)
-        and isinstance(mixture.get("phases", []), list)
-        and isinstance(mixture.get("streams", []), list)
-        and all(isinstance(p, dict) for p in mixture.get("phases", []) + mixture.get("streams", []))
-    ):
-        raise CheckpointError(f"{file}: field 'mixture' is not the phases and streams of a run")
-    try:
-        saved = tomllib.loads(meta["config"])
-    except tomllib.TOMLDecodeError as exc:
-        raise CheckpointError(f"{file}: field 'config' is not the run's TOML ({exc})") from None
-    if not isinstance(saved.get("model"), dict):
-        raise CheckpointError(f"{file}: field 'config' has no [model] table")
-    return meta
-
-
-def saved_section(meta: dict[str, Any], name: str) -> dict[str, Any]:
-    """A table (`model`, `optim`, ...) of the config a checkpoint was written with."""
-    return tomllib.loads(meta["config"]).get(name, {})
-
-
-def saved_model(meta: dict[str, Any]) -> dict[str, Any]:
-    """The [model] table of the config a checkpoint was written with."""
-    return saved_section(meta, "model")
-
-
-def first_change(
-    meta: dict[str, Any], name: str, current: Any, keys: Iterable[str]
-) -> tuple[str, Any, Any] | None:
-    """The first of `keys` whose value in `current` (a config section) differs from the
-    checkpoint's [name] table: (key, value now, value saved). A key the checkpoint does not
-    record (written by an older hp) is not compared."""
-    saved = saved_section(meta, name)
-    for key in keys:
-        if key in saved and saved[key] != getattr(current, key):
-            return key, getattr(current, key), saved[key]
-    return None
-
-
-def tensors(state: TrainState) -> dict[str, dict[str, Any]]:
-    """The model's and optimizer's tensors by parameter name (this rank's shards), merged over
-    the model parts a pipeline rank holds."""
-    model: dict[str, Any] = {}
-    optim: dict[str, Any] = {}
-    for module, opt in zip(state.modules, state.optimizer.optimizers, strict=True):
-        model.update(get_model_state_dict(module, options=OPTIONS))
-        optim.update(get_optimizer_state_dict(module, opt, options=OPTIONS))
-    return {"model": model, "optim": optim}
-
-
-def _apply(state: TrainState, loaded: dict[str, dict[str, Any]]) -> None:
-    for module, opt in zip(state.modules, state.optimizer.optimizers, strict=True):
-        own_model = get_model_state_dict(module, options=OPTIONS)
-        set_model_state_dict(module, {k: loaded["model"][k] for k in own_model}, options=OPTIONS)
-        own_optim = get_optimizer_state_dict(module, opt, options=OPTIONS)
-        set_optimizer_state_dict(
-            module, opt, {k: loaded["optim"][k] for k in own_optim}, options=OPTIONS
-        )
-
-
 def seal(tmp: str) -> None:
     """Record the checksum of DCP's `.metadata` (written last, by DCP) in `meta.json`, so that
     every file of the checkpoint is covered before it is committed."""
@@ -213,125 +76,6 @@ def seal(tmp: str) -> None:
     meta = storage.read_json(file)
     meta[METADATA_KEY] = storage.file_digest(os.path.join(tmp, ".metadata"))
     storage.write_json(file, meta)
-
-
-def _metadata(path: str, meta: dict[str, Any]) -> Any:
-    """DCP's metadata of `path`, its checksum checked against `meta` first (when recorded)."""
-    try:
-        if METADATA_KEY in meta:
-            found = storage.file_digest(os.path.join(path, ".metadata"))
-            if found != meta[METADATA_KEY]:
-                raise CheckpointError(f"{path}/.metadata: fails its checksum")
-        return storage.CheckedReader(path).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}/.metadata: missing") from None
-    except storage.Damaged as exc:
-        raise CheckpointError(str(exc)) from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}/.metadata: unreadable ({exc.strerror})") from None
-
-
-def check_files(path: str, metadata: Any) -> None:
-    """Name a data file that is missing or shorter than `metadata` (DCP's, of `path`) says (a
-    checkpoint cut by a crash or a full disk), before DCP fails somewhere inside it."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.exists(file):
-            raise CheckpointError(f"{file}: missing")
-        if os.path.getsize(file) < size:
-            raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {size} bytes)")
-
-
-def checked_metadata(path: str, meta: dict[str, Any]) -> Any:
-    """DCP's metadata of a checkpoint, its checksum and its shard files' sizes checked."""
-    metadata = _metadata(path, meta)
-    check_files(path, metadata)
-    return metadata
-
-
-def check_model(path: str, meta: dict[str, Any], config: ModelConfig) -> None:
-    """Refuse a checkpoint of another model before any tensor is read: the resolved model
-    config first (every field that shapes or means something), naming what differs."""
-    keys = [item.name for item in fields(ModelConfig) if item.name not in {*INIT_ONLY, *TABLES}]
-    change = first_change(meta, "model", config, keys)
-    if change is not None:
-        key, have, saved = change[0], repr(change[1]), repr(change[2])
-    else:
-        table = _table_change(meta, config)
-        if table is None:
-            return
-        key, have, saved = table
-    raise CheckpointError(
-        f"model.{key} = {have}, but {path} was trained with {saved}: a checkpoint "
-        f"resumes only the model that wrote it; set model.{key} = {saved} (or export it "
-        f"and start a new train.run_dir with model.init_from)",
-        fallback=False,
-    )
-
-
-def _table_change(meta: dict[str, Any], config: ModelConfig) -> tuple[str, str, str] | None:
-    """The first table key that differs from the checkpoint's: (key, value now, value saved)
-    as config.toml writes them. Absent is none: a comment where the preset has none, or an hp
-    before the key."""
-    for key in TABLES:
-        then = saved_model(meta).get(key, "none")
-        value = getattr(config, key)
-        now = "none" if value is None else as_table(value)
-        free = MOE_MAY_CHANGE if key == "moe" else set()
-        if _without(then, free) != _without(now, free):
-            return key, toml_value(now), toml_value(then)
-    return None
-
-
-def _without(table: Any, names: set[str]) -> Any:
-    """A table (or "none") without the fields `names`."""
-    return {k: v for k, v in table.items() if k not in names} if isinstance(table, dict) else table
-
-
-# What the optimizer's state was built with; the schedule keys (lr, warmup, decay) may change.
-OPTIMIZER_KEYS = ("name", "weight_decay", "decay_embeddings", "beta1", "beta2", "eps", "momentum")
-
-
-def check_optimizer(path: str, meta: dict[str, Any], config: Config) -> None:
-    """Refuse a resume whose optimizer differs from the checkpoint's: its saved hyperparameters
-    would silently win over the config (or another optimizer's state would not load)."""
-    change = first_change(meta, "optim", config.optim, OPTIMIZER_KEYS)
-    if change is not None:
-        key, have, saved = change
-        raise CheckpointError(
-            f"optim.{key} = {have!r}, but {path} was trained with {saved!r}: set it back to "
-            f"resume (the schedule's keys, optim.lr, min_lr, warmup and decay, may change)",
-            fallback=False,
-        )
-
-
-def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
-    """The checkpoint's model tensors must be exactly the model's, by name and global shape:
-    a tensor missing from either side is refused by name, never skipped."""
-    with torch.device("meta"):
-        expected = {n: tuple(t.shape) for n, t in Transformer(config).state_dict().items()}
-    saved = {
-        key[len("model.") :]: tuple(getattr(value, "size", ()))
-        for key, value in metadata.state_dict_metadata.items()
-        if key.startswith("model.")
-    }
-    missing = sorted(set(expected) - set(saved))
-    extra = sorted(set(saved) - set(expected))
-    if missing or extra:
-        parts = [f"has no {', '.join(missing)}"] if missing else []
-        parts += [f"has {', '.join(extra)}, which this model does not"] if extra else []
-        raise CheckpointError(f"{path}: {'; '.join(parts)}: the model changed", fallback=False)
-    for name, shape in expected.items():
-        if saved[name] != shape:
-            raise CheckpointError(
-                f"{path}: parameter {name} has shape {list(saved[name])} in the checkpoint but "
-                f"{list(shape)} in this model: the model changed",
-                fallback=False,
-            )
 
 
 @dataclass
@@ -630,148 +374,3 @@ class Checkpointer:
     def seeds(self, path: str) -> bool:
         """Whether loading `path` seeds this run directory rather than continuing it."""
         return os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root)
-
-
-def _ramp_shown(ramp: BatchRamp | None) -> str:
-    return "none" if ramp is None else f"[{ramp.start}, {ramp.increment}, {ramp.samples}]"
-
-
-def check_ramp(meta: dict[str, Any], path: str, plan: BatchPlan, phased: bool = False) -> None:
-    """A changed (or added, or removed) `train.batch_ramp` changes which samples the steps
-    train on: refused while the checkpoint's next step is inside either ramp. Past both ends
-    every step trains the full batch either way; then it is refused only if the new ramp
-    counts fewer samples up to the checkpoint than the run trained (the data is built for the
-    new count, and would run out), or, with `data.phases` (`phased`), another number: each
-    phase's first sample is the plan's count before its step, so the later phases would
-    start at other steps."""
-    recorded = saved_section(meta, "train").get("batch_ramp")  # none: written without one
-    try:
-        saved = None if recorded is None else BatchRamp(**recorded)
-        before = replace(plan, ramp=saved)
-    except (TypeError, ValueError):
-        raise CheckpointError(
-            f"{os.path.join(path, META)}: field 'config' holds train.batch_ramp = "
-            f"{recorded!r}, not a ramp of its global batch"
-        ) from None
-    if saved == plan.ramp:
-        return
-    step, trained = meta["step"], meta["consumed_samples"]
-    change = (
-        f"train.batch_ramp changed from {_ramp_shown(saved)} to {_ramp_shown(plan.ramp)} "
-        f"since {path}"
-    )
-    last = max(before.full_from, plan.full_from) - 1  # the last step smaller than the batch
-    if step < last:
-        raise CheckpointError(
-            f"{change}, whose step {step} is inside a ramp (smaller batches until step {last}): "
-            "keep train.batch_ramp as it was to resume",
-            fallback=False,
-        )
-    if plan.samples_after(step) < trained:
-        raise CheckpointError(
-            f"{change}: the new ramp counts {plan.samples_after(step)} samples up to step "
-            f"{step}, fewer than the {trained} trained, so the data built would run out; keep "
-            "train.batch_ramp as it was to resume",
-            fallback=False,
-        )
-    if phased and plan.samples_after(step) != trained:
-        raise CheckpointError(
-            f"{change}: with data.phases the new ramp counts {plan.samples_after(step)} "
-            f"samples up to step {step}, not the {trained} trained, so the later phases would "
-            "start at other steps than their from_step or from_tokens; keep train.batch_ramp "
-            "as it was to resume",
-            fallback=False,
-        )
-
-
-def check_compatible(
-    meta: dict[str, Any],
-    path: str,
-    config: Config,
-    plan: BatchPlan,
-    identity: dict[str, Any],
-    warn: Callable[[str], None],
-    mixture: Callable[[int, int], dict[str, Any]] | None = None,
-) -> None:
-    """Refuse a resume that would not continue the same run: another model, another global
-    batch size or ramp, or other data (unless `checkpoint.allow_data_change`), naming what
-    changed. With `data.phases`, `mixture` (`PhasePlan.state_at`) says what this config
-    trained by the checkpoint's step: a phase changed after it is the same run, one before is
-    not."""
-    check_model(path, meta, config.model)
-    check_optimizer(path, meta, config)
-    saved_gbs = meta["global_batch_size"]
-    if saved_gbs != plan.global_batch_size:
-        raise CheckpointError(
-            f"train.global_batch_size={plan.global_batch_size}, but {path} was trained with "
-            f"{saved_gbs}: keep it to resume (the data-parallel size may change)",
-            fallback=False,
-        )
-    check_ramp(meta, path, plan, phased=mixture is not None)
-    saved = meta["data"]
-    now = redact_data({key: getattr(config.data, key) for key in DATA_KEYS})
-    changes = [
-        f"data.{key} changed from {saved['config'][key]!r} to {now[key]!r}"
-        for key in saved["config"]
-        if key in now and saved["config"][key] != now[key]
-    ]
-    # A pipeline's middle stages read no data and hold no identity: the others compare.
-    if not changes and identity and not same_samples(saved["fingerprint"], identity):
-        changes = ["the corpus files behind the data paths changed"]
-    if not changes and mixture is not None and "mixture" in meta:
-        now_mix = mixture(meta["step"], meta["consumed_samples"])
-        reason = state_change(meta["mixture"], now_mix, meta["step"])
-        changes = [] if reason is None else [reason]
-    if not changes:
-        return
-    message = f"{'; '.join(changes)} since {path}"
-    if not config.checkpoint.allow_data_change:
-        raise CheckpointError(
-            message + ": set checkpoint.allow_data_change = true to resume anyway",
-            fallback=False,
-        )
-    warn(f"hp-train: warning: {message}; resuming anyway (checkpoint.allow_data_change)")
-
-
-def _read_rng(path: str, runtime: Runtime) -> dict[str, Any] | None:
-    """This rank's saved random states (None when none were saved)."""
-    base = os.path.join(path, "extra", f"rank-{runtime.rank:05d}")
-    file = base + ".json" if os.path.exists(base + ".json") else base + ".pt"
-    if not os.path.exists(file):
-        return None
-    try:
-        if file.endswith(".json"):
-            return storage.read_json(file)
-        return rng.read_legacy(file)  # written before hp saved them as data
-    except ValueError as exc:  # storage.Damaged, or a refused type
-        raise CheckpointError(str(exc)) from None
-    except Exception as exc:  # a cut or garbled file
-        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__})") from None
-
-
-def load(
-    path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any], config: ModelConfig
-) -> None:
-    """Load `path` into `state` (any layout), every file checked before anything is applied.
-    RNG states come back when the world size is the one that saved them."""
-    metadata = checked_metadata(path, meta)  # read once for every check
-    check_tensors(path, metadata, config)
-    states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
-    payload = tensors(state)
-    try:
-        dcp.load(
-            payload,
-            storage_reader=storage.CheckedReader(path),
-            planner=storage.SafeLoadPlanner(),
-        )
-    except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
-        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
-    if states is not None:
-        try:
-            rng.restore(states, runtime.device)
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(
-                f"{path}/extra: random states malformed ({type(exc).__name__})"
-            ) from None
-    _apply(state, payload)
-    state.load_scalars(meta)

@@ -28,17 +28,9 @@ from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.export_output import ExportTarget
-from hp_runtime.train.hf_families import (
-    MOE_SHAPE,
-    STACKED,
-    Family,
-    config_json,
-    export_family,
-    family_of,
-    hf_names,
-    is_fused,
-    read_config,
-)
+from hp_runtime.train.hf_config import MOE_SHAPE, config_json, read_config
+from hp_runtime.train.hf_families import Family, export_family, family_of
+from hp_runtime.train.hf_names import STACKED, hf_names, is_fused
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -371,7 +363,7 @@ def init_from_hf(modules: list[nn.Module], config: ModelConfig, directory: str) 
 def _stored_model(checkpoint: str, meta: dict[str, Any]) -> ModelConfig:
     """The model config a checkpoint's meta.json stores (only [model]: the run's other keys
     may be of an older hp-train)."""
-    from hp_runtime.train.checkpoint import saved_model
+    from hp_runtime.train.compat import saved_model
     from hp_runtime.train.config import build_model
     from hp_runtime.train.errors import ConfigError
 
@@ -389,7 +381,9 @@ def read_model(checkpoint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hp_runtime.model import Transformer
-    from hp_runtime.train.checkpoint import check_tensors, checked_metadata, read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
+    from hp_runtime.train.checkpoint_load import checked_metadata
+    from hp_runtime.train.compat import check_tensors
     from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
     meta = read_meta(checkpoint)
@@ -418,7 +412,7 @@ def export_checkpoint(
 ) -> list[str]:
     """A hp-train checkpoint (any layout it was saved from) as an HF directory of its model's
     family."""
-    from hp_runtime.train.checkpoint import read_meta
+    from hp_runtime.train.checkpoint_format import read_meta
 
     # A bad --out, or one another export is writing, is refused before the checkpoint is read.
     with ExportTarget(out) as target:

@@ -18,46 +18,22 @@ router with shared experts (Qwen2-MoE gates its shared expert with a sigmoid, hp
 a routing scale or a balancing bias with softmax, Mixtral without renormalised weights or
 with dense layers, the sigmoid router without shared experts.
 
-hp stacks a layer's experts (`experts.w1`: (experts, hidden, dim)). HF checkpoints hold one
-tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's
-`block_sparse_moe.experts.{e}.w1.weight`), which is what `save_pretrained` writes in
-transformers 4 and 5; transformers 5's models hold them fused (`mlp.experts.gate_up_proj`:
-(experts, 2 hidden, dim), the gate's rows first, and `mlp.experts.down_proj`) and load either
-layout. `hf_names` gives both.
+The tensors' names in each family's checkpoints are `hf_names.py`'s; config.json as a whole,
+written and read, is `hf_config.py`'s.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hp_runtime.model import ModelConfig
-from hp_runtime.model.config import FieldError, MoEConfig, RopeScaling
+from hp_runtime.model.config import FieldError, MoEConfig
 from hp_runtime.train.errors import TrainError
 
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# A layer's tensors outside its feed-forward, in every family.
-_ATTENTION = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# A SwiGLU's weights as HF's MLPs name them (dense layers, shared experts, Qwen's experts).
-_SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-STACKED = re.compile(r"layers\.\d+\.feed_forward\.experts\.w[123]")  # (experts, ...)
 _REQUIRED = object()
 
 
@@ -533,49 +509,6 @@ def export_family(config: ModelConfig) -> Family:
     return family
 
 
-def hf_names(family: Family, config: ModelConfig, name: str, fused: bool = False) -> list[str]:
-    """hp's tensor `name` in `family`'s checkpoints: one HF name, or one per expert for hp's
-    stacked experts (in order); with `fused`, transformers 5's fused expert tensor (w1 and w3
-    both in `gate_up_proj`). Empty: the family has no such tensor (hp's balancing bias in a
-    family without one: `export_family` saw it chooses nothing)."""
-    if name in _TOP:
-        return [_TOP[name]]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match is None:
-        raise KeyError(f"no HF name for {name}")
-    layer, rest = f"model.layers.{match.group(1)}.", match.group(2)
-    if rest in _ATTENTION:
-        return [layer + _ATTENTION[rest]]
-    part = re.fullmatch(r"feed_forward\.(w[123])\.weight", rest)
-    if part:
-        return [f"{layer}mlp.{_SWIGLU[part.group(1)]}.weight"]
-    block = layer + ("mlp" if fused else family.moe_block)
-    if rest == "feed_forward.router.gate.weight":
-        return [f"{block}.gate.weight"]
-    if rest == "feed_forward.router.expert_bias":
-        return [f"{block}.gate.e_score_correction_bias"] if family.bias else []
-    part = re.fullmatch(r"feed_forward\.shared\.(w[123])\.weight", rest)
-    if part:
-        return [f"{block}.shared_experts.{_SWIGLU[part.group(1)]}.weight"]
-    part = re.fullmatch(r"feed_forward\.experts\.(w[123])", rest)
-    if part and config.moe is not None:
-        if fused:
-            return [f"{block}.experts.{'down_proj' if part.group(1) == 'w2' else 'gate_up_proj'}"]
-        local = family.expert_parts[("w1", "w3", "w2").index(part.group(1))]
-        return [f"{block}.experts.{e}.{local}.weight" for e in range(config.moe.experts)]
-    raise KeyError(f"no HF name for {name}")
-
-
-def is_fused(names: Collection[str], name: str) -> bool:
-    """Whether hp's `name` is in a layer whose experts `names` (an HF checkpoint's) hold
-    fused, as transformers 5's models do."""
-    match = re.match(r"layers\.(\d+)\.feed_forward\.", name)
-    if match is None:
-        return False
-    block = f"model.layers.{match.group(1)}.mlp.experts"
-    return f"{block}.gate_up_proj" in names or f"{block}.down_proj" in names
-
-
 # An HF rope dict's llama3 fields, and the RopeScaling field each sets.
 _HF_SCALING = {
     "factor": "factor",
@@ -600,216 +533,3 @@ def _hf_rope(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling": rope,
         "rope_parameters": {**rope, "rope_theta": config.rope_theta},
     }
-
-
-def config_json(config: ModelConfig, dtype: str) -> dict[str, Any]:
-    """The config.json of `config`'s model in its family (`export_family`)."""
-    family = export_family(config)
-    return {
-        "architectures": [family.architecture],
-        "model_type": family.model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_size,
-        "max_position_embeddings": config.max_seq_len,
-        **_hf_rope(config),
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "hidden_act": "silu",
-        **family.write(config),
-        "initializer_range": config.init_std,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
-
-
-# config.json's shape fields in every family: the ModelConfig field each sets, and the
-# default when absent: the family's where it has one (transformers' for its config class),
-# else this (num_key_value_heads: num_attention_heads, as LlamaConfig has it).
-_SHAPE: dict[str, tuple[str, Any]] = {
-    "vocab_size": ("vocab_size", _REQUIRED),
-    "hidden_size": ("dim", _REQUIRED),
-    "num_hidden_layers": ("n_layers", _REQUIRED),
-    "num_attention_heads": ("n_heads", _REQUIRED),
-    "num_key_value_heads": ("n_kv_heads", None),
-    "max_position_embeddings": ("max_seq_len", _REQUIRED),
-    "rms_norm_eps": ("norm_eps", _REQUIRED),
-    "tie_word_embeddings": ("tie_embeddings", False),
-}
-# Fields that change the model in every family: hp implements transformers' default only.
-_FIXED: dict[str, Any] = {
-    "hidden_act": "silu",
-    "attention_dropout": 0.0,
-    "is_encoder_decoder": False,
-    "is_decoder": False,
-    "add_cross_attention": False,
-    "tie_encoder_decoder": False,
-    "cross_attention_hidden_size": None,
-    "chunk_size_feed_forward": 0,
-    "pruned_heads": {},
-}
-# Bookkeeping transformers writes (names, token ids, generation and output defaults, the MoE
-# families' training loss over the router's logits): the weights and the forward pass do not
-# depend on them, so any value is accepted.
-_BOOKKEEPING = frozenset(
-    """transformers_version _name_or_path torch_dtype dtype bos_token_id eos_token_id
-    pad_token_id sep_token_id decoder_start_token_id initializer_range use_cache
-    output_hidden_states output_attentions return_dict id2label label2id problem_type
-    tokenizer_class prefix task_specific_params finetuning_task torchscript use_bfloat16
-    tf_legacy_loss max_length min_length do_sample early_stopping num_beams num_beam_groups
-    diversity_penalty temperature top_k top_p typical_p repetition_penalty length_penalty
-    no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
-    output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
-    remove_invalid_values exponential_decay_length_penalty suppress_tokens
-    begin_suppress_tokens output_router_logits router_aux_loss_coef""".split()
-)
-_KNOWN = {
-    *_SHAPE, *_FIXED, *_BOOKKEEPING,
-    "rope_theta", "rope_parameters", "rope_scaling", "head_dim", "architectures", "model_type",
-}  # fmt: skip
-# hp's MoE fields a config.json describes (the others are how it trains: load_balance, ...).
-MOE_SHAPE = (
-    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "router", "renormalize",
-    "route_scale", "first_dense_layers",
-)  # fmt: skip
-
-
-def _scaling(path: str, key: str, rope: dict[str, Any]) -> RopeScaling:
-    """A `rope_type: "llama3"` dict as RopeScaling, every field given and checked."""
-    values = {}
-    for name, field in _HF_SCALING.items():
-        if name not in rope:
-            raise TrainError(
-                f'{path}: {key}.{name} is missing; rope_type "llama3" gives '
-                f"{', '.join(_HF_SCALING)}"
-            )
-        value = rope[name]  # JSON's 8 is the float 8.0 transformers reads
-        numeric = type(value) is int and field != "original_max_seq_len"
-        values[field] = float(value) if numeric else value
-    try:
-        return RopeScaling(type="llama3", **values)
-    except FieldError as exc:
-        name = {hp: hf for hf, hp in _HF_SCALING.items()}[exc.field]
-        raise TrainError(f"{path}: {key}.{name}={_json(exc.value)} {exc.problem}") from None
-
-
-def _rope(path: str, hf: dict[str, Any], family: Family) -> tuple[float, RopeScaling | None]:
-    """The rotary theta and scaling: rope_parameters (transformers 5) and rope_scaling (4) may
-    each say "default" (plain rotary) or "llama3" (Llama 3.1's scaling), with a theta; where
-    several give the theta or the scaling, they must agree."""
-    thetas = {}
-    if "rope_theta" in hf:
-        thetas["rope_theta"] = hf["rope_theta"]
-    scalings: dict[str, RopeScaling | None] = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = hf.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            raise TrainError(f"{path}: {key}={_json(rope)} must be an object with a rope_type")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if "type" in rope and rope["type"] != kind:  # transformers' older name of rope_type
-            raise TrainError(f"{path}: {key}.type and {key}.rope_type disagree")
-        if kind not in ("default", "llama3"):
-            raise TrainError(
-                f'{path}: {key}.rope_type={_json(kind)} is not supported; hp implements "default" '
-                'and "llama3"'
-            )
-        takes = ["rope_type", "rope_theta", *(_HF_SCALING if kind == "llama3" else ())]
-        for field in rope:
-            if field not in (*takes, *family.rope_fields, "type"):
-                raise TrainError(
-                    f"{path}: {key}.{field}={_json(rope[field])} is not supported (rope_type "
-                    f"{_json(kind)} takes {', '.join(takes)})"
-                )
-        if "rope_theta" in rope:
-            thetas[f"{key}.rope_theta"] = rope["rope_theta"]
-        scalings[key] = _scaling(path, key, rope) if kind == "llama3" else None
-    for key, value in thetas.items():
-        _positive(path, key, value, float)
-    if len(set(thetas.values())) > 1:
-        given = ", ".join(f"{k}={_json(v)}" for k, v in thetas.items())
-        raise TrainError(f"{path}: {given} disagree; give one rotary theta")
-    if len(set(scalings.values())) > 1:
-        raise TrainError(f"{path}: rope_parameters and rope_scaling disagree; give one scaling")
-    theta = next(iter(thetas.values()), family.defaults["rope_theta"])
-    return float(theta), next(iter(scalings.values()), None)
-
-
-def _family_in(path: str, hf: dict[str, Any]) -> Family:
-    """The family config.json names by model_type (else by architectures; neither: Llama)."""
-    kind, architectures = hf.get("model_type"), hf.get("architectures")
-    if kind is None:
-        named = [f for f in FAMILIES if architectures == [f.architecture]]
-        family = named[0] if named else LLAMA
-    else:
-        by_type = {f.model_type: f for f in FAMILIES}
-        if kind not in by_type:
-            raise TrainError(
-                f"{path}: model_type={_json(kind)} is not supported; hp reads "
-                f"{', '.join(_json(f.model_type) for f in FAMILIES)}"
-            )
-        family = by_type[kind]
-    if architectures is not None and architectures != [family.architecture]:
-        raise TrainError(
-            f"{path}: architectures={_json(architectures)}; hp loads {family.architecture}"
-        )
-    return family
-
-
-def read_config(path: str, hf: Any) -> tuple[Family, dict[str, Any]]:
-    """The family and the `ModelConfig` fields of `hf`, an HF `config.json` (read from
-    `path`). Every field must be one hp implements (or bookkeeping): anything else would
-    load a model hp computes differently, so it is refused by name."""
-    if not isinstance(hf, dict):
-        raise TrainError(f"{path}: not a JSON object (an HF config.json?)")
-    family = _family_in(path, hf)
-    label = family.label
-    for key in hf:
-        if key not in _KNOWN and key not in family.fixed and key not in family.fields:
-            raise TrainError(
-                f"{path}: {key} is not a field hp's {label} implements; hp loads plain "
-                f"{label} models only"
-            )
-    for key, default in {**_FIXED, **family.fixed}.items():
-        if key in hf and not _same(hf[key], default):
-            raise TrainError(
-                f"{path}: {key}={_json(hf[key])} is not supported; hp's {label} has "
-                f"{key}={_json(default)} only"
-            )
-    fields: dict[str, Any] = {}
-    for key, (field, default) in _SHAPE.items():
-        value = hf.get(key)
-        if value is None:
-            default = family.defaults.get(key, default)
-            if default is _REQUIRED:
-                raise TrainError(f"{path}: {key} is missing; an HF {label} config.json gives it")
-            value = fields["n_heads"] if default is None else default
-        if field == "tie_embeddings":
-            if not isinstance(value, bool):
-                raise TrainError(f"{path}: {key}={_json(value)} must be true or false")
-        else:
-            _positive(path, key, value, float if field == "norm_eps" else int)
-        fields[field] = value
-    fields["rope_theta"], fields["rope_scaling"] = _rope(path, hf, family)
-    for whole, part in (("num_attention_heads", "num_key_value_heads"),):
-        dividend, divisor = fields[_SHAPE[whole][0]], fields[_SHAPE[part][0]]
-        if dividend % divisor:
-            raise TrainError(f"{path}: {whole}={dividend} is not a multiple of {part}={divisor}")
-    fields.update({"qk_norm": False, "moe": None, **family.read(path, hf, family)})
-    # A head's width is its own field (Qwen3's is not hidden_size / num_attention_heads);
-    # absent, the family's transformers default, else hidden_size / num_attention_heads.
-    head_dim = hf.get("head_dim", family.defaults.get("head_dim"))
-    if head_dim is not None:
-        head_dim = _positive(path, "head_dim", head_dim, int)
-        dim, heads = fields["dim"], fields["n_heads"]
-        if dim % heads or head_dim != dim // heads:  # else derived, as hp's own configs
-            fields["head_dim"] = head_dim
-    try:
-        ModelConfig(**fields)
-    except ValueError as exc:
-        raise TrainError(f"{path}: {exc}") from None
-    return family, fields

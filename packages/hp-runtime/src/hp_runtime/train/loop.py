@@ -15,11 +15,12 @@ from typing import TextIO
 
 import torch
 
+from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.config import Config
-from hp_runtime.train.data import Batch, BatchPlan, Loader
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeStop, blame_command, check_finite
 from hp_runtime.train.launch import Runtime, StopSignals
+from hp_runtime.train.loader import Batch, Loader
 from hp_runtime.train.metrics import LaggedValues, StepClock
 from hp_runtime.train.plot import plot_run
 from hp_runtime.train.profile import StepProfiler

@@ -25,7 +25,7 @@ from hp_data.fs import write_text
 from hp_data.progress import clock, human
 
 if TYPE_CHECKING:
-    from hp_runtime.train.data import BatchPlan
+    from hp_runtime.train.batch import BatchPlan
 
 # Dense bf16 tensor-core peaks (TFLOP/s per device) from the vendors' data sheets; the first
 # name contained in torch.cuda.get_device_name() wins, so specific names come first.

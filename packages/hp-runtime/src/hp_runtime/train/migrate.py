@@ -16,9 +16,10 @@ from hp_data.phases import PhasedDataset, PhasePlan
 from hp_data.redact import redact
 from hp_data.registry import same_samples
 
-from hp_runtime.train.checkpoint import CheckpointError, saved_section
+from hp_runtime.train.batch import BatchPlan
+from hp_runtime.train.checkpoint_format import CheckpointError
+from hp_runtime.train.compat import saved_section
 from hp_runtime.train.config import BatchRamp, Config
-from hp_runtime.train.data import BatchPlan
 
 
 def _meaning(spec: str) -> tuple[list[str], list[float]]:

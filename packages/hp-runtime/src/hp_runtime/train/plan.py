@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from hp_runtime.model import Transformer
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.pp import layers_per_stage
+from hp_runtime.train.batch import batch_plan
 from hp_runtime.train.config import Config
-from hp_runtime.train.data import batch_plan
 from hp_runtime.train.errors import ConfigError
 
 GIB = 2**30

@@ -27,12 +27,12 @@ from hp_data.fs import write_json
 from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
-from hp_runtime.train.checkpoint import committed, read_meta
+from hp_runtime.train.checkpoint_format import committed, read_meta
 from hp_runtime.train.config import load_config
-from hp_runtime.train.data import Batch
 from hp_runtime.train.dirlock import hold_run_dir
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.launch import Runtime, fresh_directory
+from hp_runtime.train.loader import Batch
 
 
 @dataclass

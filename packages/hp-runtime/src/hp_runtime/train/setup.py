@@ -20,30 +20,19 @@ from hp_data.redact import redact_data
 from hp_runtime import __version__
 from hp_runtime.model import ModelConfig
 from hp_runtime.parallel import Assembly, assemble
-from hp_runtime.train.checkpoint import (
-    DATA_KEYS,
-    Checkpointer,
-    CheckpointError,
-    check_compatible,
-    load,
-    read_meta,
-)
+from hp_runtime.train.batch import BatchPlan, batch_plan, phase_starts
+from hp_runtime.train.checkpoint import Checkpointer
+from hp_runtime.train.checkpoint_format import CheckpointError, read_meta
+from hp_runtime.train.checkpoint_load import load
+from hp_runtime.train.compat import DATA_KEYS, check_compatible
 from hp_runtime.train.config import Config, check_layout, check_paths, to_toml
-from hp_runtime.train.data import (
-    BatchPlan,
-    Datasets,
-    Loader,
-    RunData,
-    batch_plan,
-    build_datasets,
-    phase_starts,
-    resolve_data,
-)
+from hp_runtime.train.data import Datasets, RunData, build_datasets, resolve_data
 from hp_runtime.train.dirlock import RunDirLock, hold_run_dir
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
 from hp_runtime.train.launch import Runtime, agree, lowest_message
+from hp_runtime.train.loader import Loader
 from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_tflops
 from hp_runtime.train.migrate import as_phased
 from hp_runtime.train.mixrecord import write_record

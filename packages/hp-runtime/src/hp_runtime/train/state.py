@@ -3,7 +3,7 @@
 The model's parameters and the optimizer's moments are referenced, not copied; the rest is a
 step counter and `consumed_samples` (the samples trained on, which says where the data
 sampler goes on, on any data-parallel size). The learning rate is a pure function of the step
-and needs no saving. `checkpoint.py` saves and loads this object as it is.
+and needs no saving. `checkpoint.py` saves this object as it is, `checkpoint_load.py` loads it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from hp_runtime.train.data import BatchPlan
+from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.optim import Optimizers
 

@@ -124,7 +124,7 @@ def _records(run_dir: str) -> dict[int, dict[str, Any]]:
 
 def compare(layout_dir: str, reference_dir: str, steps: int) -> list[StepDifference]:
     """Per step, the layout run against the one-process run: loss, gradient norm, parameters."""
-    from hp_runtime.train.checkpoint import step_name
+    from hp_runtime.train.checkpoint_format import step_name
 
     mine, theirs = _records(layout_dir), _records(reference_dir)
     out = []
@@ -161,7 +161,7 @@ def verify(
 ) -> bool:
     """Run the shrunk layout on every rank and its one-process twin on rank 0; print the
     differences on rank 0; True (on every rank) when all are within `tolerance`."""
-    from hp_runtime.train.data import batch_plan
+    from hp_runtime.train.batch import batch_plan
     from hp_runtime.train.loop import train
 
     stream = stream or sys.stdout

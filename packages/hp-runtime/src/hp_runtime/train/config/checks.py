@@ -87,7 +87,7 @@ def check_length(key: str, length: int, config: Config) -> None:
 
 def check_phases(config: Config) -> None:
     """`[[data.phases]]` against the other keys (where each starts needs the batch plan:
-    `hp_runtime.train.data.phase_starts`)."""
+    `hp_runtime.train.batch.phase_starts`)."""
     data = config.data
     if not data.phases:
         return
