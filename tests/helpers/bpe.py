@@ -1,11 +1,13 @@
 """Byte-level BPE tokenizers shaped as GPT-2's and Llama 3's: trained by `tokenizers` itself,
-or built by `tokenizers` from merges given by hand (adversarial ones)."""
+built by `tokenizers` from merges given by hand (adversarial ones), or converted from a
+tiktoken rank table by `transformers`' own converter, as Llama 3's and Qwen's files are."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hp_data.fast_bpe import LLAMA3_PATTERN
@@ -83,4 +85,34 @@ def train_llama3_style(texts: list[str], out: Path, vocab_size: int = 100_000) -
     )
     tokenizer.train_from_iterator(texts + made_up, trainer=trainer)
     tokenizer.save(str(out))
+    return out
+
+
+def rank_table(trained: Path) -> dict[bytes, int]:
+    """A tiktoken rank table out of a trained byte-level tokenizer.json: its tokens' bytes, in
+    the order the trainer made them (added tokens left out), as tiktoken's own files hold it."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    described = json.loads(trained.read_text(encoding="utf-8"))
+    added = {token["id"] for token in described["added_tokens"]}
+    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokens = sorted((n, t) for t, n in described["model"]["vocab"].items() if n not in added)
+    return {bytes(to_byte[c] for c in token): rank for rank, (_, token) in enumerate(tokens)}
+
+
+def convert_ranks(
+    ranks: Mapping[bytes, int], pattern: str, specials: Sequence[str], out: Path
+) -> Path:
+    """`ranks` written as a `.tiktoken` file and turned into a tokenizer.json by transformers'
+    `TikTokenConverter` (every two-token split of a token a merge, ignore_merges on, the
+    split regex then ByteLevel): the tokenizer a user of Llama 3 or Qwen downloads."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    table = out.with_suffix(".tiktoken")
+    lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    table.write_text("".join(lines), encoding="ascii")
+    converter = TikTokenConverter(
+        vocab_file=str(table), pattern=pattern, extra_special_tokens=list(specials)
+    )
+    converter.converted().save(str(out))
     return out

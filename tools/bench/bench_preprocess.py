@@ -1,10 +1,13 @@
 """`hp-data preprocess`, with each tokenizer engine, against `tokenizers`' own batch encoders.
 
-    uv run python tools/bench/bench_preprocess.py [--workers 1,2] [--mb 50]
+    uv run python tools/bench/bench_preprocess.py [--workers 1,2] [--mb 50] [--only converted]
 
 Builds (once, cached in --cache) two byte-level BPE tokenizers trained on CPython's standard
 library sources: a 32k one (ByteLevel pre-tokenizer, GPT-2's layout) and a 128k Llama-3-style
-one (Llama 3's Split regex, then ByteLevel, ignore_merges), and a JSONL corpus of
+one (Llama 3's Split regex, then ByteLevel, ignore_merges); two converted the way Llama 3's and
+Qwen's files are, the trained 128k table and a 200k one as tiktoken rank tables turned into
+tokenizer.json by transformers' `TikTokenConverter` (every two-token split of a token a merge),
+with Llama 3's and o200k's split regexes; and a JSONL corpus of
 English-like text (sentences of the stdlib's docstrings, mixed into documents of 3-60
 sentences). Then, for each tokenizer and each worker count N, each in a fresh process:
 
@@ -37,6 +40,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REFERENCE = """
@@ -131,7 +135,47 @@ def prepare(cache: Path, megabytes: float) -> tuple[Path, dict[str, Path]]:
                 line = json.dumps({"text": text}) + "\n"
                 out.write(line)
                 written += len(line)
+    tokenizers |= converted(cache, tokenizers["128k Llama-3-style"], texts)
     return corpus, tokenizers
+
+
+def converted(cache: Path, trained: Path, texts: Callable[[], Iterator[str]]) -> dict[str, Path]:
+    """The trained 128k table and a 200k one trained alike, each turned into a tokenizer.json
+    by transformers' converter, as Meta's and Qwen's files were (`tests/helpers/bpe.py`)."""
+    from hp_data.fast_bpe import LLAMA3_PATTERN as LLAMA3
+    from hp_data.fast_bpe import O200K_PATTERN
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
+    from tests.helpers.bpe import convert_ranks, rank_table
+
+    made = {
+        "128k converted, Llama 3 regex": cache / "converted128k.json",
+        "200k converted, o200k regex": cache / "converted200k.json",
+    }
+    wide = cache / "trained200k.json"
+    if not wide.exists():
+        print("training the 200k table (once) ...", flush=True)
+        tokenizer = Tokenizer.from_file(str(trained))
+        tokenizer.model = models.BPE(ignore_merges=True)
+        trainer = trainers.BpeTrainer(
+            vocab_size=200_000,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts(), trainer=trainer)
+        tokenizer.save(str(wide))
+    sources = (trained, wide)
+    patterns = (LLAMA3, O200K_PATTERN)
+    specials = (["<|begin_of_text|>", "<|end_of_text|>"], ["<|endoftext|>"])
+    for (name, path), source, pattern, added in zip(
+        made.items(), sources, patterns, specials, strict=True
+    ):
+        if not path.exists():
+            print(f"converting the {name} tokenizer (once) ...", flush=True)
+            convert_ranks(rank_table(source), pattern, added, path)
+    return made
 
 
 def _timed(command: list[str]) -> float:
@@ -274,6 +318,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=50.0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hp-bench")
     parser.add_argument("--shards", default=None, help="e.g. 1,2,4: the sharded path instead")
+    parser.add_argument("--only", default="", help="only the tokenizers whose name has this")
     args = parser.parse_args()
 
     corpus, tokenizers = prepare(args.cache, args.mb)
@@ -285,6 +330,8 @@ def main() -> None:
     documents = sum(1 for _ in corpus.open("rb"))
     print(f"corpus: {size / 1e6:.1f} MB, {documents:,} documents")
     for name, tokenizer in tokenizers.items():
+        if args.only not in name:
+            continue
         for workers in args.workers:
             compare_engines(corpus, name, tokenizer, workers)
 

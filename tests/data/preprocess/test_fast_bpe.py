@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hp_data.fast_bpe import FastBPE, NotProven
+from hp_data.fast_bpe import LLAMA3_PATTERN, O200K_PATTERN, FastBPE, NotProven
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models
 
-from tests.helpers.bpe import with_merges
+from tests.helpers.bpe import convert_ranks, with_merges
 
 LETTERS = "abc"
 
@@ -78,7 +78,8 @@ def test_where_the_proof_passes_tiktoken_gives_tokenizers_ids(merges, llama3, te
 @pytest.mark.parametrize("merges", TRAPS, ids=["issue", "letters"])
 def test_the_adversarial_merges_are_refused(merges, llama3):
     tokenizer = with_merges(merges, llama3)
-    with pytest.raises(NotProven, match="make '.' \\+ '..' of the bytes of its token '...'"):
+    why = "makes its token '...' of '.' \\+ '..', which is not one of its merges"
+    with pytest.raises(NotProven, match=why):
         FastBPE.from_description(json.loads(tokenizer.to_str()), proven=True)
     # And the refusal is needed: without it, tiktoken writes other ids.
     texts = ["".join(left + right for left, right in merges[-1:]) + merges[0][0] * 2]
@@ -98,6 +99,70 @@ def test_a_token_no_merge_makes_is_refused():
     tokenizer = with_merges([("a", "b"), ("b", "c")], llama3=True)
     vocab = {**tokenizer.get_vocab(), "abc": tokenizer.get_vocab_size()}
     tokenizer.model = models.BPE(vocab=vocab, merges=[("a", "b"), ("b", "c")], ignore_merges=True)
-    with pytest.raises(NotProven, match="no merge makes its token 'abc'"):
+    why = "makes its token 'abc' of 'ab' \\+ 'c', which is not one of its merges"
+    with pytest.raises(NotProven, match=why):
         FastBPE.from_description(json.loads(tokenizer.to_str()), proven=True)
     assert _tiktoken_ids(tokenizer, ["abca"]) != _ids(tokenizer, ["abca"])
+
+
+# -- tokenizers converted from tiktoken rank tables (several merges make one token) -----------
+
+
+@st.composite
+def rank_tables(draw: st.DrawFn) -> dict[bytes, int]:
+    """Every byte, then up to 24 tokens each joined from two earlier ones over three letters
+    (as a trainer makes them), in rank order: a tiktoken table whose tokens overlap a lot, so
+    that a token has several two-token splits and its parts form in many orders."""
+    tokens = [bytes([b]) for b in range(256)]
+    letters = [t.encode() for t in LETTERS]
+    for _ in range(draw(st.integers(1, 24))):
+        left, right = draw(st.sampled_from(letters)), draw(st.sampled_from(letters))
+        if left + right not in tokens and len(left + right) <= 7:
+            tokens.append(left + right)
+            letters.append(left + right)
+    return {token: rank for rank, token in enumerate(tokens)}
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(
+    ranks=rank_tables(),
+    o200k=st.booleans(),
+    dropped=st.sets(st.integers(0, 60), max_size=3),
+    texts=st.lists(st.text(LETTERS + " \nA", max_size=30), max_size=6),
+)
+def test_converted_tables_where_the_proof_passes_give_tokenizers_ids(
+    tmp_path_factory, ranks, o200k, dropped, texts
+):
+    """transformers' converter's own output is always proven (each token's own split is among
+    its merges); with a few of its merges dropped it may not be, and wherever it still is,
+    tiktoken gives tokenizers' ids."""
+    out = tmp_path_factory.mktemp("converted") / "tokenizer.json"
+    convert_ranks(ranks, O200K_PATTERN if o200k else LLAMA3_PATTERN, ["<|end|>"], out)
+    tokenizer = Tokenizer.from_file(str(out))
+    assert _proven(tokenizer)
+    texts = [*texts, "".join(t.decode() for t in list(ranks)[256:]) * 2]
+    assert _tiktoken_ids(tokenizer, texts) == _ids(tokenizer, texts)
+    described = json.loads(out.read_text())
+    merges = described["model"]["merges"]
+    described["model"]["merges"] = [m for i, m in enumerate(merges) if i not in dropped]
+    partial = Tokenizer.from_str(json.dumps(described))
+    if _proven(partial):
+        event("proven with merges dropped")
+        assert _tiktoken_ids(partial, texts) == _ids(partial, texts)
+    else:
+        event("refused")
+
+
+def test_a_converted_table_missing_a_tokens_own_split_is_refused(tmp_path):
+    """'aaa' is made of 'aa' + 'a' by tiktoken (the leftmost pair first); without that merge
+    tokenizers can only reach it as 'a' + 'aa', and the two engines part on 'aaa' inside a
+    piece: the proof names the token, and the refusal is needed."""
+    ranks = {bytes([b]): b for b in range(256)} | {b"aa": 256, b"aaa": 257}
+    out = convert_ranks(ranks, LLAMA3_PATTERN, [], tmp_path / "tokenizer.json")
+    described = json.loads(out.read_text())
+    described["model"]["merges"] = [m for m in described["model"]["merges"] if m != ["aa", "a"]]
+    tokenizer = Tokenizer.from_str(json.dumps(described))
+    with pytest.raises(NotProven, match="makes its token 'aaa' of 'aa' \\+ 'a'"):
+        FastBPE.from_description(described, proven=True)
+    for text in ("aaaaa", "baaa"):
+        assert _tiktoken_ids(tokenizer, [text]) != _ids(tokenizer, [text])

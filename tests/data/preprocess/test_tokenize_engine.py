@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import warnings
 from pathlib import Path
 
@@ -11,12 +12,19 @@ import pytest
 from click.testing import CliRunner
 from hp_data import IndexedDataset, PreprocessError
 from hp_data.cli import main
-from hp_data.fast_bpe import FastBPE, NotConvertible, compare, probe_texts
+from hp_data.fast_bpe import O200K_PATTERN, FastBPE, NotConvertible, compare, probe_texts
 from hp_data.shards import merge_shards
 from hp_data.tokenize import TokenizerFiles, VerifiedEngine
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-from tests.helpers.bpe import LLAMA3_PATTERN, corpus_texts, train_gpt2_style, train_llama3_style
+from tests.helpers.bpe import (
+    LLAMA3_PATTERN,
+    convert_ranks,
+    corpus_texts,
+    rank_table,
+    train_gpt2_style,
+    train_llama3_style,
+)
 from tests.helpers.corpus_files import write_jsonl
 from tests.helpers.run import cli, read_bytes, run_preprocess
 
@@ -117,7 +125,7 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
     and off the 1-in-1,000 sample; the proof finds it before the first document."""
     trap = _with_a_trap(example_tokenizer, tmp_path / "trap.json")
     corpus = _corpus(tmp_path, trap_line=250)
-    why = r"its merges make 'Q' \+ 'XJ' of the bytes of its token 'QXJ'"
+    why = r"tiktoken makes its token 'QXJ' of 'Q' \+ 'XJ', which is not one of its merges"
     with pytest.warns(UserWarning, match=rf"trap\.json: tiktoken is not exact for it: {why}"):
         _assert_auto_wrote_tokenizers_ids(tmp_path, corpus, trap, trap_line=250)
     forced = cli(
@@ -126,9 +134,8 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
     )  # fmt: skip
     assert forced.returncode == 1
     assert forced.stderr.count("\n") == 1 and "Traceback" not in forced.stderr
-    assert "--tokenizer-engine tiktoken cannot reproduce this tokenizer: its merges" in (
-        forced.stderr
-    )
+    refusal = "--tokenizer-engine tiktoken cannot reproduce this tokenizer: tiktoken makes its"
+    assert refusal in forced.stderr
     assert "use --tokenizer-engine auto or hf" in forced.stderr
     assert not list(tmp_path.glob("out*"))
 
@@ -137,7 +144,7 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
 def unproven(monkeypatch):
     """The proof switched off, so that what stands behind it (the probe set and the documents
     checked during the run) is what a trap meets."""
-    monkeypatch.setattr("hp_data.fast_bpe.prove", lambda *args: None)
+    monkeypatch.setattr("hp_data.fast_bpe.prove", lambda *args, **kwargs: None)
 
 
 def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(
@@ -294,3 +301,95 @@ def test_bpe_dropout_is_refused(tmp_path, example_tokenizer, engine):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "dropout.json: model.dropout is 0.1: BPE dropout" in result.stderr
     assert not list(tmp_path.glob("out*"))
+
+
+# -- tokenizers converted from tiktoken (Llama 3, Qwen, o200k): several merges a token ---------
+
+
+def _adversarial_probes(count: int = 3200, seed: int = 1) -> list[str]:
+    """Texts where converted tokenizers' many merges of one token could tell the engines apart:
+    long digit runs, mixed scripts, emoji (with joiners and skin tones), whitespace runs,
+    contractions, repeated characters and repeated syllables."""
+    rng = random.Random(seed)
+    scripts = "aéßΩжשع अ ก 한あア中🙂👍🏽👨‍👩‍👧ﬁ\u0301\u200d"
+    syllables = ["an", "na", "ana", "ss", "is", "si", "ab", "ba", "ing", "the", "er", "re"]
+
+    def piece() -> str:
+        kind = rng.randrange(7)
+        if kind == 0:
+            return "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 40)))
+        if kind == 1:
+            return "".join(rng.choice(scripts) for _ in range(rng.randint(1, 12)))
+        if kind == 2:
+            return "".join(rng.choice(" \t\n\r\u00a0\u3000") for _ in range(rng.randint(1, 30)))
+        if kind == 3:
+            return rng.choice(["I", "you", "WE", "it", "They"]) + rng.choice(_CONTRACTIONS_ALL)
+        if kind == 4:
+            return rng.choice("a -=*#.0e/") * rng.randint(2, 70)
+        if kind == 5:
+            return "".join(rng.choices(syllables, k=rng.randint(2, 14)))
+        return rng.choice(["Hello", "WORLD", "camelCase", "snake_case", "x1y22", "3.14159"])
+
+    return ["".join(piece() for _ in range(rng.randint(1, 6))) for _ in range(count)]
+
+
+_CONTRACTIONS_ALL = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "'Re", "\u2019s"]
+
+
+@pytest.fixture(scope="module")
+def trained_ranks(tmp_path_factory, texts) -> dict[bytes, int]:
+    """A 32k rank table trained here (the example corpus and made-up words)."""
+    trained = train_llama3_style(texts, tmp_path_factory.mktemp("ranks") / "t.json", 32_000)
+    return rank_table(trained)
+
+
+@pytest.mark.parametrize("pattern", [LLAMA3_PATTERN, O200K_PATTERN], ids=["llama3", "o200k"])
+def test_a_converted_tokenizer_runs_on_tiktoken_with_tokenizers_ids(
+    tmp_path, texts, trained_ranks, pattern
+):
+    """The tokenizer.json users download for Llama 3 or Qwen (transformers' converter's output,
+    every two-token split a merge): proven, chosen by `auto`, and tokenizers' ids on the corpus,
+    the probe set and 3,200 adversarial texts."""
+    path = convert_ranks(trained_ranks, pattern, ["<|begin_of_text|>"], tmp_path / "tok.json")
+    described = json.loads(path.read_text())
+    merges = described["model"]["merges"]
+    assert len(merges) > 2 * len(trained_ranks)  # the converted form: many merges a token
+    engine = VerifiedEngine.choose(TokenizerFiles.locate(str(path)), Tokenizer.from_file(str(path)))
+    assert engine.fast and engine.notice is None
+    probes = _adversarial_probes()
+    _assert_same_ids(path, texts + probes + ["<|begin_of_text|>x<|begin_of_text|> "])
+
+
+def test_preprocess_auto_writes_a_converted_tokenizers_files_with_tiktoken(
+    tmp_path, example_corpus, trained_ranks
+):
+    path = convert_ranks(trained_ranks, LLAMA3_PATTERN, ["<|end_of_text|>"], tmp_path / "tok.json")
+    fast = run_preprocess([example_corpus], tmp_path / "fast", path, append_eod=True)
+    slow = run_preprocess(
+        [example_corpus], tmp_path / "slow", path, append_eod=True, tokenizer_engine="hf"
+    )
+    assert (fast.engine, slow.engine) == ("tiktoken", "hf")
+    assert read_bytes(tmp_path / "fast") == read_bytes(tmp_path / "slow")
+
+
+def test_a_converted_tokenizer_the_proof_cannot_cover_falls_back_with_one_warning(
+    tmp_path, example_corpus, trained_ranks
+):
+    """One token's own split taken out of its merges (a hand-edited or truncated file): auto
+    warns once, naming the token, and writes tokenizers' ids."""
+    path = convert_ranks(trained_ranks, LLAMA3_PATTERN, ["<|end_of_text|>"], tmp_path / "tok.json")
+    described = json.loads(path.read_text())
+    described["model"]["merges"].remove(["Ġt", "he"])
+    path.write_text(json.dumps(described))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = run_preprocess([example_corpus], tmp_path / "out", path, append_eod=True)
+    notices = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(notices) == 1, notices
+    assert (
+        "tiktoken is not exact for it: tiktoken makes its token 'Ġthe' of 'Ġt' + 'he'"
+        in (notices[0])
+    )
+    run_preprocess([example_corpus], tmp_path / "ref", path, append_eod=True, tokenizer_engine="hf")
+    assert summary.engine == "hf"
+    assert read_bytes(tmp_path / "out") == read_bytes(tmp_path / "ref")

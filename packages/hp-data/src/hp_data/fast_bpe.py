@@ -2,26 +2,32 @@
 vocabulary, merges and split pattern, and the proof that it gives `tokenizers`' ids.
 
 `tiktoken` and `tokenizers` run the same algorithm on byte-level BPE (split the text on added
-tokens, then with a regex, then merge each piece's bytes pair by pair, lowest rank first,
-leftmost on a tie). They differ in what a rank is attached to: `tokenizers` ranks merges
-(pairs), `tiktoken` ranks the merged bytes, and `tiktoken` emits a piece that is itself a token
+tokens, then with a regex, then join a piece's adjacent tokens pair by pair, lowest key first,
+leftmost on a tie). They differ in what a key is attached to: `tokenizers` ranks merges
+(pairs), `tiktoken` ranks the joined bytes, and `tiktoken` emits a piece that is itself a token
 whole (what `tokenizers` calls `ignore_merges`). The conversion keeps only tokenizers it can
-map one to one (each merge makes a new token from two earlier ones, ranks in merge order, no
-normalizer, no prefix space, added tokens matched literally) and says why it refuses the rest.
+map (byte-level merges whose tokens are in the vocab, the merges that make one token next to
+each other in the list, no normalizer, no prefix space, added tokens matched literally): a
+token's rank is where its first merge stands, so both engines order the joins of different
+tokens alike. It says why it refuses the rest.
 
-Why one more condition makes the merging exact (`prove`). With ranks in merge order and one
-merge per token, the engines agree on every pair `tokenizers` may join; they can part only
-where `tiktoken` joins adjacent tokens x, y whose bytes form a token t although (x, y) is not
-t's merge (the merge is QX + J, the pieces are Q, XJ). Say they part there first. Until then
-both made the same joins, and those inside t's bytes came in the order `tokenizers` makes
-them on t's bytes alone (a join elsewhere does not touch them, none crossed their edges), so
-`tokenizers` alone on t's bytes stops at x, y. Hence if `tokenizers`' merges make every token
-of its own bytes, the engines never part; then a piece that is a token is also what
-`tokenizers` makes of it, so `tiktoken`'s whole-piece shortcut agrees too. The condition is a
-check per token, but not one of its splits' ranks alone: whether t is reached depends on the
-order in which its parts and their neighbours form, which is why `prove` runs `tokenizers`'
-own BPE on every token (about a second for 256k tokens). Without `ignore_merges` it is also
-necessary (a piece that is an unreached token: `tiktoken` emits it whole, `tokenizers` not).
+Why one more condition makes the merging exact (`prove`). A token may be made by one merge
+(as `tokenizers`' trainer writes them) or by several (a vocabulary converted from tiktoken's
+ranks lists every two-token split of a token). Either way, look at `tiktoken` joining two
+adjacent tokens x, y into t in some piece. Nothing ever joined across the edges of x and y,
+so the joins inside t's bytes were made in the order `tiktoken` makes them on t's bytes alone
+(each was the lowest key of the piece when made, so the lowest among t's bytes; the edges
+shift every position alike). `tiktoken` alone on t's bytes passes through one two-token state
+at most: so every pair that `tiktoken` ever joins into t, anywhere, is that one split x + y,
+t's own. Hence if t's own split is one of `tokenizers`' merges, for every t that `tiktoken`
+makes of its own bytes, the engines never part: at each step `tokenizers`' pairs are among
+`tiktoken`'s (its merges make tokens), `tiktoken`'s lowest are all one merge of one token,
+which `tokenizers` ranks lowest too (a token's merges stand together), and both take the
+leftmost. Without `ignore_merges` a piece that is a token t is emitted whole by `tiktoken`
+and merged by `tokenizers`, which then needs `tiktoken` alone on t's bytes to make t. The
+two engines' ties between two merges of one token (`tokenizers` orders them by their place
+in the list, `tiktoken` by position) never arise, since only t's own split is ever joined.
+`prove` runs `tiktoken`'s merging on every token's bytes (a few seconds for 200k tokens).
 The split regex is given to both (to `tiktoken` made to keep the text between matches, as
 `tokenizers` does, `_keeping_gaps`); what no proof here covers, the two regex engines' dialects,
 is checked by comparing ids: on a probe set before a run, and on sampled documents during it.
@@ -48,9 +54,23 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# The split regex of tiktoken's o200k_base (GPT-4o; cased words, marks kept with letters).
+O200K_PATTERN = "|".join(
+    (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    )
+)
 # Split regexes that match at every position of any text: each character is a letter, a
 # number, a space or none of these, and an alternative takes each kind on its own.
-COVERING_PATTERNS = frozenset((BYTE_LEVEL_PATTERN, LLAMA3_PATTERN))
+COVERING_PATTERNS = frozenset((BYTE_LEVEL_PATTERN, LLAMA3_PATTERN, O200K_PATTERN))
 
 
 class NotConvertible(Exception):
@@ -132,7 +152,7 @@ class FastBPE:
         merges = _pairs(model.get("merges") or [])
         recipe = cls._build(pattern, vocab, merges, added, model)
         if proven:
-            prove(vocab, merges, recipe)
+            prove(merges, recipe, whole_pieces=bool(model.get("ignore_merges")))
         return recipe
 
     @classmethod
@@ -152,6 +172,7 @@ class FastBPE:
                 raise NotConvertible(f"byte {byte} has no token")
             ranks[bytes([byte])] = len(ids)
             ids.append(vocab[char])
+        previous = None
         for number, (left, right) in enumerate(merges):
             made = left + right
             if made not in vocab:
@@ -159,13 +180,15 @@ class FastBPE:
             first, second = as_bytes.get(left), as_bytes.get(right)
             if first is None or second is None:
                 raise NotConvertible(f"merge {number} joins tokens that are not byte-level")
-            if first not in ranks or second not in ranks:
-                raise NotConvertible(f"merge {number} uses a token no earlier merge made")
             key = first + second
-            if key in ranks:
-                raise NotConvertible(f"merge {number} makes {made!r}, which an earlier one made")
-            ranks[key] = len(ids)
-            ids.append(vocab[made])
+            if key not in ranks:  # a token's rank: where its first merge stands
+                ranks[key] = len(ids)
+                ids.append(vocab[made])
+            elif key != previous:
+                raise NotConvertible(
+                    f"merge {number} makes {made!r}, which a merge apart from it made earlier"
+                )
+            previous = key
         added_ids = set()
         specials: dict[str, int] = {}
         for token in added:
@@ -200,26 +223,42 @@ def _pairs(merges: Sequence[Any]) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 
 
-def prove(vocab: dict[str, int], merges: list[tuple[str, str]], recipe: FastBPE) -> None:
-    """Raise `NotProven` unless `tokenizers`' merges, alone, make every token that
-    `tiktoken` may join (`recipe`'s, converted from `vocab` and `merges`) of its own bytes:
-    the condition under which the two merge alike (the module docstring says why)."""
-    from tokenizers import models
-
-    made = [left + right for left, right in merges]
-    if len(recipe.ranks) > 256 + len(made):  # ignore_merges kept tokens that no merge makes
-        unmade = next(itertools.islice(recipe.ranks, 256 + len(made), None))
-        raise NotProven(
-            f"no merge makes its token {_as_text(unmade)!r}, which tiktoken joins from parts"
-        )
-    bpe = models.BPE(vocab=vocab, merges=merges)  # merges only: no ignore_merges, no dropout
-    for token, parts in zip(made, map(bpe.tokenize, made), strict=True):
-        if len(parts) != 1:
-            split = " + ".join(repr(part.value) for part in parts)
+def prove(merges: list[tuple[str, str]], recipe: FastBPE, whole_pieces: bool) -> None:
+    """Raise `NotProven` unless every token that `tiktoken` makes of its own bytes (`recipe`'s,
+    converted with `merges`) comes out of one of `tokenizers`' merges, its own split; and,
+    unless `tokenizers` emits whole pieces too (`whole_pieces`: `ignore_merges`), unless
+    `tiktoken` makes every token so. The condition under which the two merge alike (the module
+    docstring says why)."""
+    pairs = {(_as_bytes(left), _as_bytes(right)) for left, right in merges}
+    for token in itertools.islice(recipe.ranks, 256, None):
+        split = _own_split(token, recipe.ranks)
+        if split is None and not whole_pieces:
             raise NotProven(
-                f"its merges make {split} of the bytes of its token {token!r}, which tiktoken "
-                "joins whole, so the engines can part"
+                f"tiktoken does not make its token {_as_text(token)!r} of its bytes, but emits "
+                "a piece that is this token whole, where tokenizers merges its bytes"
             )
+        if split is not None and split not in pairs:
+            parts = " + ".join(repr(_as_text(part)) for part in split)
+            raise NotProven(
+                f"tiktoken makes its token {_as_text(token)!r} of {parts}, which is not one of "
+                "its merges, so the engines can part"
+            )
+
+
+def _own_split(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The two tokens `tiktoken` joins into `token` when it merges `token`'s bytes alone
+    (lowest rank first, leftmost on a tie), or None if it does not make `token`."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, at = None, 0
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best is None or rank < best):
+                best, at = rank, i
+        if best is None:
+            return None
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
 def _as_text(key: bytes) -> str:
