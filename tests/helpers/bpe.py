@@ -5,6 +5,7 @@ tiktoken rank table by `transformers`' own converter, as Llama 3's and Qwen's fi
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -108,9 +109,10 @@ def convert_ranks(
     split regex then ByteLevel): the tokenizer a user of Llama 3 or Qwen downloads."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    table = out.with_suffix(".tiktoken")
-    lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
-    table.write_text("".join(lines), encoding="ascii")
+    lines = "".join(f"{base64.b64encode(t).decode()} {rank}\n" for t, rank in ranks.items())
+    # Named by its content: tiktoken caches what it read under the path's name.
+    table = out.with_name(f"{out.stem}-{hashlib.sha256(lines.encode()).hexdigest()[:16]}.tiktoken")
+    table.write_text(lines, encoding="ascii")
     converter = TikTokenConverter(
         vocab_file=str(table), pattern=pattern, extra_special_tokens=list(specials)
     )

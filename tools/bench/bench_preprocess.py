@@ -156,8 +156,8 @@ def converted(cache: Path, trained: Path, texts: Callable[[], Iterator[str]]) ->
     wide = cache / "trained200k.json"
     if not wide.exists():
         print("training the 200k table (once) ...", flush=True)
-        tokenizer = Tokenizer.from_file(str(trained))
-        tokenizer.model = models.BPE(ignore_merges=True)
+        tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+        tokenizer.pre_tokenizer = Tokenizer.from_file(str(trained)).pre_tokenizer
         trainer = trainers.BpeTrainer(
             vocab_size=200_000,
             special_tokens=["<|endoftext|>"],
