@@ -1,6 +1,7 @@
 """hp-train against torchtitan's own trainer, side by side in one run.
 
-    uv run python tools/bench/bench_titan.py [--layouts 1,fsdp2] [--steps 20] [--rounds 2]
+    uv run python tools/bench/bench_titan.py     # layouts 1 and fsdp2, about 6 minutes on 2 cores
+    uv run python tools/bench/bench_titan.py --rounds 3 --malloc keep   # both keep freed memory
 
 Both sides train the same Llama shape (`--preset`, default `small`) from the same initial
 weights on the same token batches: hp-train as `hp-train` runs it (torchrun, its TOML keys as
@@ -10,6 +11,11 @@ each layout in turn, alternating `--rounds` times; medians compared. Printed per
 steady-state tokens/s (after `--warmup` steps), peak memory (the largest rank's: peak resident
 set on CPU, `max_memory_allocated` on CUDA), their ratios hp / torchtitan, and each side's
 losses of the first steps with their difference.
+
+`--malloc` sets each side's C-library memory policy on CPU, as in bench_train.py: `shipped`
+(default) as each comes, hp-train keeping freed memory (`train.cpu_keep_freed_memory`, on by
+default) and torchtitan with glibc's default; `keep`, both keeping it (torchtitan's ranks call
+hp's `launch.keep_freed_memory`): the trainers like for like; `system`, glibc's default for both.
 
 torchtitan is a dev-only reference: it is not in uv.lock. Its side runs in uv's overlay
 environment, `uv run --with torchtitan==0.3.0` (resolved with torchtitan's own pins: the lock's
@@ -529,10 +535,10 @@ def main() -> None:
     parser.add_argument("--layouts", default=None, help="of 1, fsdp2, fsdp8, tp2")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
-    parser.add_argument("--lr-warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of tokens/s")
+    parser.add_argument("--lr-warmup", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0, help="per rank on CPU; 0: cores/ranks")
