@@ -174,13 +174,30 @@ def step_parts(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args]
+def torchrun(
+    *args: str, nproc: int = 2, threads: int = 1, launcher: tuple[str, ...] | None = None
+) -> subprocess.CompletedProcess:
+    """`nproc` ranks of `threads` threads each (`launcher`: the command that starts torchrun,
+    this environment's by default), failing with the ranks' stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    launcher = launcher or (str(BIN / "torchrun"),)
+    command = [*launcher, "--standalone", f"--nproc-per-node={nproc}", *args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode:
         sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
     return done
+
+
+def preprocess(work: str) -> str:
+    """The shipped corpus as a .bin/.idx dataset under `work`: its prefix."""
+    prefix = f"{work}/docstrings"
+    subprocess.run(
+        [str(BIN / "hp-data"), "preprocess", str(REPO / "examples/docstrings.jsonl"),
+         "--out", prefix, "--tokenizer", str(REPO / "examples/tokenizer.json"),
+         "--append-eod", "--quiet"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return prefix
 
 
 def run_hp(args: argparse.Namespace, run_dir: str) -> dict[str, float]:
@@ -234,13 +251,7 @@ def main() -> None:
         print(done.stdout, end="")
         return
     with tempfile.TemporaryDirectory() as work:
-        args.prefix, args.cache = f"{work}/docstrings", f"{work}/cache"
-        subprocess.run(
-            [str(BIN / "hp-data"), "preprocess", str(REPO / "examples/docstrings.jsonl"),
-             "--out", args.prefix, "--tokenizer", str(REPO / "examples/tokenizer.json"),
-             "--append-eod", "--quiet"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        args.prefix, args.cache = preprocess(work), f"{work}/cache"
         print(
             f"small model, 2 ranks x 1 thread (CPU, gloo), global batch {2 * args.mbs} x "
             f"{args.seq} tokens, {args.steps} steps, steady state after {args.warmup}, "

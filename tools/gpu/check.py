@@ -9,8 +9,9 @@ paths (bf16 autocast over fp32 master weights, fp32 with fused AdamW, FSDP at wo
 with a bf16 mixed-precision policy, per-block `torch.compile`, activation checkpointing,
 document masking (flex on CUDA), the chunked loss), then tokens/s, MFU and peak memory of `1b`
 and of an 8B-shaped stack (its first layers only, to fit the time) with and without compile,
-then a checkpoint save (sync and async) and its load. A part that fails is reported with its
-error and the others still run; the exit status is 1 when any failed. Everything goes to
+then a checkpoint save (sync and async) and its load; on request (`--only titan`), hp-train
+against torchtitan's trainer (`tools/bench/bench_titan.py`). A part that fails is reported
+with its error and the others still run; the exit status is 1 when any failed. Everything goes to
 stdout as a table and to `--out` as JSON (`environment`, then `parts`: one object each with
 `ok`, `seconds` and its figures).
 
@@ -52,6 +53,7 @@ class Check:
         self.seq = 32 if tiny else 256
         self.mbs = 2 if tiny else 4
         self._references: dict[str, list[float]] = {}
+        self.titan_env: str | None = None  # a Python with torchtitan (`titan`); None: uv's
 
     # -- the trainer, in this process ---------------------------------------------------------
 
@@ -182,6 +184,40 @@ class Check:
         finite = all(math.isfinite(v) for v in run["losses"])
         return {"ok": finite, "losses": run["losses"]} | figures(run["last"])
 
+    # -- against torchtitan ------------------------------------------------------------------
+
+    def titan(self) -> dict[str, Any]:
+        """hp-train against torchtitan's own trainer on this device (one process, the same
+        shape, weights and batches: `tools/bench/bench_titan.py`), its losses against
+        torchtitan's within the tolerance of the precision, and both sides' tokens/s and
+        peak memory. Opt-in (`--only titan`): it needs torchtitan, which is not in the lock
+        (uv's overlay from PyPI, or `--titan-env PYTHON`)."""
+        out = self.work / "titan.json"
+        if self.tiny:
+            shape = ["--preset", "small", "--seq", "32", "--mbs", "2", "--steps", "4"]
+            shape += ["--warmup", "2", "--lr-warmup", "2"]
+        else:  # torchtitan's Llama 3.2 1B flavour less its rope scaling: hp's `1b`
+            shape = ["--preset", "1b", "--seq", "2048", "--mbs", "2", "--steps", "14"]
+            shape += ["--warmup", "4", "--lr-warmup", "4"]
+        command = [sys.executable, str(REPO / "tools" / "bench" / "bench_titan.py"), *shape,
+                   "--device", self.device, "--layouts", "1", "--rounds", "1",
+                   "--json", str(out)]  # fmt: skip
+        if self.titan_env:
+            command += ["--titan-env", self.titan_env]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        if done.returncode:
+            raise RuntimeError(f"bench_titan.py failed: {(done.stderr or done.stdout)[-3000:]}")
+        layout = json.loads(out.read_text())["layouts"]["1"]
+        losses = layout["losses"]
+        tolerance = FP32_TOL if self.device == "cpu" else BF16_TOL
+        return compare(losses["hp"], losses["titan"], tolerance) | {
+            "tokens_per_s": layout["tokens_per_s"]["hp"],
+            "titan_tokens_per_s": layout["tokens_per_s"]["titan"],
+            "tokens_per_s_ratio": layout["tokens_per_s_ratio"],
+            "peak_memory_gib": layout["peak_memory_gib"]["hp"],
+            "titan_peak_memory_gib": layout["peak_memory_gib"]["titan"],
+        }
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def checkpoint(self, async_save: bool) -> dict[str, Any]:
@@ -290,7 +326,11 @@ def parts(check: Check) -> dict[str, Callable[[], dict[str, Any]]]:
         "speed_8b_shaped_compile": lambda: check.speed("speed-8b-compile", eight, True),
         "checkpoint_sync": lambda: check.checkpoint(False),
         "checkpoint_async": lambda: check.checkpoint(True),
+        "titan": check.titan,  # opt-in (OPT_IN)
     }
+
+
+OPT_IN = ("titan",)  # parts that run only when `--only` names them
 
 
 def _corpus(check: Check) -> list[str]:
@@ -334,10 +374,11 @@ def main() -> int:
     parser.add_argument("--out", default="gpu.json", help="the JSON report")
     parser.add_argument("--only", default="", help="comma-separated parts (default: all)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default on cpu)")
+    parser.add_argument("--titan-env", help="the `titan` part: a Python that has torchtitan")
     args = parser.parse_args()
 
     names = list(parts(Check("cpu", True, REPO)))
-    wanted = [p for p in args.only.split(",") if p] or names
+    wanted = [p for p in args.only.split(",") if p] or [n for n in names if n not in OPT_IN]
     unknown = [p for p in wanted if p not in names]
     if unknown:  # before torch loads: a typo costs nothing
         print(f"check.py: --only {unknown[0]}: choose from {', '.join(names)}", file=sys.stderr)
@@ -355,6 +396,7 @@ def main() -> int:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     with tempfile.TemporaryDirectory(prefix="hp-gpu-check-") as work:
         check = Check(device, args.tiny or device == "cpu", Path(work))
+        check.titan_env = args.titan_env
         table = parts(check)
         report: dict[str, Any] = {"environment": environment(device), "parts": {}}
         print(json.dumps(report["environment"]))
