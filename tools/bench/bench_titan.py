@@ -16,6 +16,9 @@ losses of the first steps with their difference.
 (default) as each comes, hp-train keeping freed memory (`train.cpu_keep_freed_memory`, on by
 default) and torchtitan with glibc's default; `keep`, both keeping it (torchtitan's ranks call
 hp's `launch.keep_freed_memory`): the trainers like for like; `system`, glibc's default for both.
+`--hp KEY=VALUE` (repeatable) adds an hp-train key, e.g. `train.loss_chunk_tokens=128` (hp's
+loss in 8 chunks, as torchtitan's); torchtitan's ranks read hp's config too, so a key of the
+shape, the data or the optimizer changes both sides.
 
 torchtitan is a dev-only reference: it is not in uv.lock. Its side runs in uv's overlay
 environment, `uv run --with torchtitan==0.3.0` (resolved with torchtitan's own pins: the lock's
@@ -79,7 +82,7 @@ LAYOUTS: dict[str, tuple[int, list[str], dict[str, int]]] = {
     "tp2": (2, ["parallel.tp=2"], {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
 }
 FIRST = 5  # the first steps whose losses are printed side by side
-SETUP = ("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc")
+SETUP = ("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc", "hp")
 
 
 def threads_for(args: argparse.Namespace, nproc: int) -> int:
@@ -107,7 +110,7 @@ def hp_overrides(args: argparse.Namespace, layout: str, run_dir: str) -> list[st
         f"optim.decay_steps={t - w + 1}", f"optim.wsd_decay_fraction={(t - w) / (t - w + 1)!r}",
         "optim.weight_decay=0.1", "optim.beta1=0.9", "optim.beta2=0.95", "optim.eps=1e-8",
         "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
-        "checkpoint.interval=0",
+        "checkpoint.interval=0", *args.hp,
     ]  # fmt: skip
 
 
@@ -455,7 +458,7 @@ def run_titan(args: argparse.Namespace, layout: str, run_dir: str) -> dict:
         f"--prefix={args.prefix}", f"--cache={args.cache}", f"--preset={args.preset}",
         f"--steps={args.steps}", f"--lr-warmup={args.lr_warmup}", f"--seq={args.seq}",
         f"--mbs={args.mbs}", f"--threads={args.threads}", f"--malloc={args.malloc}",
-        f"--device={args.device}",
+        f"--device={args.device}", *(f"--hp={key}" for key in args.hp),
         nproc=nproc, threads=threads_for(args, nproc), launcher=titan_launcher(args),
     )  # fmt: skip
     line = next(x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK))
@@ -545,6 +548,9 @@ def main() -> None:
     parser.add_argument("--malloc", choices=["shipped", "keep", "system"], default="shipped")
     parser.add_argument("--titan-env", help="a Python with torchtitan (default: uv's overlay)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--hp", action="append", default=[], metavar="KEY=VALUE", help="one more hp-train key"
+    )
     parser.add_argument("--titan-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
