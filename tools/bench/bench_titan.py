@@ -53,7 +53,8 @@ masks), which is what hp runs without `data.document_masking`. The rest runs as 
 
 GPU layouts (`--device cuda`, one machine): `1`, `fsdp8` (8 ranks) and `tp2` (2 ranks,
 sequence parallel on both sides); bf16 compute (torchtitan's FSDP mixed-precision policy,
-hp's own policy when sharded and autocast on one process); torchtitan keeps its CUDA graphs.
+hp's own policy when sharded and autocast on one process); torchtitan keeps its CUDA graphs
+(`--no-cuda-graphs` turns them off).
 `tools/gpu/check.py --only titan` runs layout `1` with the `1b` preset.
 """
 
@@ -82,7 +83,10 @@ LAYOUTS: dict[str, tuple[int, list[str], dict[str, int]]] = {
     "tp2": (2, ["parallel.tp=2"], {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
 }
 FIRST = 5  # the first steps whose losses are printed side by side
-SETUP = ("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc", "hp")
+SETUP = (
+    *("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc"),
+    *("hp", "no_cuda_graphs"),
+)
 
 
 def threads_for(args: argparse.Namespace, nproc: int) -> int:
@@ -363,7 +367,7 @@ def titan_rank(args: argparse.Namespace) -> None:
             steps=t.steps,
             dtype="float32",
             mixed_precision_param="float32" if args.device == "cpu" else "bfloat16",
-            disable_cuda_graphs=args.device == "cpu",
+            disable_cuda_graphs=args.device == "cpu" or args.no_cuda_graphs,
         ),
         parallelism=ParallelismConfig(**parallelism),
         activation_checkpoint=None,
@@ -384,10 +388,12 @@ def titan_rank(args: argparse.Namespace) -> None:
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
-    losses, norms, rates, times = [], [], [], []
+    losses, norms, rates, times, peaks = [], [], [], [], [0]
     log, train_step = trainer.metrics_processor.log, trainer.train_step
 
     def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if args.device == "cuda":  # before torchtitan's log resets the peak
+            peaks.append(torch.cuda.max_memory_allocated())
         losses.append(float(global_avg_loss))
         norms.append(float(grad_norm))
         rates.append(next(v for k, v in (extra_metrics or {}).items() if k.startswith("lr/")))
@@ -402,7 +408,7 @@ def titan_rank(args: argparse.Namespace) -> None:
     trainer.metrics_processor.log, trainer.train_step = logged, timed
     trainer.train()
     if args.device == "cuda":
-        memory = torch.tensor(float(torch.cuda.max_memory_allocated()), device="cuda")
+        memory = torch.tensor(float(max(peaks)), device="cuda")
     else:
         memory = torch.tensor(float(peak_rss_bytes()))
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -459,6 +465,7 @@ def run_titan(args: argparse.Namespace, layout: str, run_dir: str) -> dict:
         f"--steps={args.steps}", f"--lr-warmup={args.lr_warmup}", f"--seq={args.seq}",
         f"--mbs={args.mbs}", f"--threads={args.threads}", f"--malloc={args.malloc}",
         f"--device={args.device}", *(f"--hp={key}" for key in args.hp),
+        *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
         nproc=nproc, threads=threads_for(args, nproc), launcher=titan_launcher(args),
     )  # fmt: skip
     line = next(x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK))
@@ -550,6 +557,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
         "--hp", action="append", default=[], metavar="KEY=VALUE", help="one more hp-train key"
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="torchtitan without its CUDA graphs"
     )
     parser.add_argument("--titan-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
