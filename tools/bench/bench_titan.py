@@ -47,9 +47,10 @@ to the CPU, with the memory calls its metrics make of a device module answered f
 resident set (`CpuDevice`); (2) it sets FSDP's gradient divide factor to 1, for which torch
 reduce-scatters with PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with
 Gloo"): each FSDP module gets torch's `set_force_sum_reduction_for_comms(True)`, the same sum;
-(3) its language-model attention backends are flex (compiled; torch trains FlexAttention on
-CUDA only) and varlen (CUDA flash kernels): its SDPA module runs instead (causal, no document
-masks), which is what hp runs without `data.document_masking`. The rest runs as it ships.
+(3) its language-model attention backends are flex (torch: "FlexAttention does not support
+backward on CPU") and varlen (CUDA flash kernels): its SDPA module runs instead (causal, no
+document masks), which is what hp runs without `data.document_masking`. The rest runs as it
+ships.
 
 GPU layouts (`--device cuda`, one machine): `1`, `fsdp8` (8 ranks) and `tp2` (2 ranks,
 sequence parallel on both sides); bf16 compute (torchtitan's FSDP mixed-precision policy,
