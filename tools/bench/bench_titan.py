@@ -302,10 +302,11 @@ def titan_rank(args: argparse.Namespace) -> None:
             overrides: list[str] = field(default_factory=list)
 
         def __init__(self, config, *, dp_world_size, dp_rank, local_batch_size, **kwargs):
-            if dp_rank:  # rank 0 builds the index caches first
+            rank = dist.get_rank()
+            if rank:  # rank 0 builds the index caches first (tensor-parallel ranks read too)
                 dist.barrier()
             dataset = resolve_data(hp, batch_plan(hp)).build("train")
-            if not dp_rank and dp_world_size > 1:
+            if not rank and dist.get_world_size() > 1:
                 dist.barrier()
             sampler = PretrainingSampler(len(dataset), 0, local_batch_size, dp_rank, dp_world_size)
             self.loader = make_dataloader(
