@@ -53,9 +53,9 @@ document masks), which is what hp runs without `data.document_masking`. The rest
 ships.
 
 GPU layouts (`--device cuda`, one machine): `1`, `fsdp8` (8 ranks) and `tp2` (2 ranks,
-sequence parallel on both sides); bf16 compute (torchtitan's FSDP mixed-precision policy,
-hp's own policy when sharded and autocast on one process); torchtitan keeps its CUDA graphs
-(`--no-cuda-graphs` turns them off).
+sequence parallel and the vocabulary-parallel loss on both sides; it runs on CPU too); bf16
+compute (torchtitan's FSDP mixed-precision policy, hp's own policy when sharded and autocast on
+one process); torchtitan keeps its CUDA graphs (`--no-cuda-graphs` turns them off).
 `tools/gpu/check.py --only titan` runs layout `1` with the `1b` preset.
 """
 
@@ -81,7 +81,12 @@ LAYOUTS: dict[str, tuple[int, list[str], dict[str, int]]] = {
     "1": (1, [], {"data_parallel_shard_degree": 1}),
     "fsdp2": (2, ["parallel.dp_shard=2"], {"data_parallel_shard_degree": 2}),
     "fsdp8": (8, ["parallel.dp_shard=8"], {"data_parallel_shard_degree": 8}),
-    "tp2": (2, ["parallel.tp=2"], {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    # torchtitan's TP always takes the loss vocabulary-parallel; hp's does with this key
+    "tp2": (
+        2,
+        ["parallel.tp=2", "parallel.loss_parallel=true"],
+        {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2},
+    ),
 }
 FIRST = 5  # the first steps whose losses are printed side by side
 SETUP = (
