@@ -16,6 +16,9 @@ losses of the first steps with their difference.
 (default) as each comes, hp-train keeping freed memory (`train.cpu_keep_freed_memory`, on by
 default) and torchtitan with glibc's default; `keep`, both keeping it (torchtitan's ranks call
 hp's `launch.keep_freed_memory`): the trainers like for like; `system`, glibc's default for both.
+`--hp KEY=VALUE` (repeatable) adds an hp-train key, e.g. `train.loss_chunk_tokens=128` (hp's
+loss in 8 chunks, as torchtitan's); torchtitan's ranks read hp's config too, so a key of the
+shape, the data or the optimizer changes both sides.
 
 torchtitan is a dev-only reference: it is not in uv.lock. Its side runs in uv's overlay
 environment, `uv run --with torchtitan==0.3.0` (resolved with torchtitan's own pins: the lock's
@@ -44,13 +47,15 @@ to the CPU, with the memory calls its metrics make of a device module answered f
 resident set (`CpuDevice`); (2) it sets FSDP's gradient divide factor to 1, for which torch
 reduce-scatters with PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with
 Gloo"): each FSDP module gets torch's `set_force_sum_reduction_for_comms(True)`, the same sum;
-(3) its language-model attention backends are flex (compiled; torch trains FlexAttention on
-CUDA only) and varlen (CUDA flash kernels): its SDPA module runs instead (causal, no document
-masks), which is what hp runs without `data.document_masking`. The rest runs as it ships.
+(3) its language-model attention backends are flex (torch: "FlexAttention does not support
+backward on CPU") and varlen (CUDA flash kernels): its SDPA module runs instead (causal, no
+document masks), which is what hp runs without `data.document_masking`. The rest runs as it
+ships.
 
 GPU layouts (`--device cuda`, one machine): `1`, `fsdp8` (8 ranks) and `tp2` (2 ranks,
-sequence parallel on both sides); bf16 compute (torchtitan's FSDP mixed-precision policy,
-hp's own policy when sharded and autocast on one process); torchtitan keeps its CUDA graphs.
+sequence parallel and the vocabulary-parallel loss on both sides; it runs on CPU too); bf16
+compute (torchtitan's FSDP mixed-precision policy, hp's own policy when sharded and autocast on
+one process); torchtitan keeps its CUDA graphs (`--no-cuda-graphs` turns them off).
 `tools/gpu/check.py --only titan` runs layout `1` with the `1b` preset.
 """
 
@@ -76,10 +81,18 @@ LAYOUTS: dict[str, tuple[int, list[str], dict[str, int]]] = {
     "1": (1, [], {"data_parallel_shard_degree": 1}),
     "fsdp2": (2, ["parallel.dp_shard=2"], {"data_parallel_shard_degree": 2}),
     "fsdp8": (8, ["parallel.dp_shard=8"], {"data_parallel_shard_degree": 8}),
-    "tp2": (2, ["parallel.tp=2"], {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    # torchtitan's TP always takes the loss vocabulary-parallel; hp's does with this key
+    "tp2": (
+        2,
+        ["parallel.tp=2", "parallel.loss_parallel=true"],
+        {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2},
+    ),
 }
 FIRST = 5  # the first steps whose losses are printed side by side
-SETUP = ("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc")
+SETUP = (
+    *("device", "preset", "steps", "rounds", "warmup", "lr_warmup", "seq", "mbs", "malloc"),
+    *("hp", "no_cuda_graphs"),
+)
 
 
 def threads_for(args: argparse.Namespace, nproc: int) -> int:
@@ -107,7 +120,7 @@ def hp_overrides(args: argparse.Namespace, layout: str, run_dir: str) -> list[st
         f"optim.decay_steps={t - w + 1}", f"optim.wsd_decay_fraction={(t - w) / (t - w + 1)!r}",
         "optim.weight_decay=0.1", "optim.beta1=0.9", "optim.beta2=0.95", "optim.eps=1e-8",
         "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
-        "checkpoint.interval=0",
+        "checkpoint.interval=0", *args.hp,
     ]  # fmt: skip
 
 
@@ -294,10 +307,11 @@ def titan_rank(args: argparse.Namespace) -> None:
             overrides: list[str] = field(default_factory=list)
 
         def __init__(self, config, *, dp_world_size, dp_rank, local_batch_size, **kwargs):
-            if dp_rank:  # rank 0 builds the index caches first
+            rank = dist.get_rank()
+            if rank:  # rank 0 builds the index caches first (tensor-parallel ranks read too)
                 dist.barrier()
             dataset = resolve_data(hp, batch_plan(hp)).build("train")
-            if not dp_rank and dp_world_size > 1:
+            if not rank and dist.get_world_size() > 1:
                 dist.barrier()
             sampler = PretrainingSampler(len(dataset), 0, local_batch_size, dp_rank, dp_world_size)
             self.loader = make_dataloader(
@@ -360,7 +374,7 @@ def titan_rank(args: argparse.Namespace) -> None:
             steps=t.steps,
             dtype="float32",
             mixed_precision_param="float32" if args.device == "cpu" else "bfloat16",
-            disable_cuda_graphs=args.device == "cpu",
+            disable_cuda_graphs=args.device == "cpu" or args.no_cuda_graphs,
         ),
         parallelism=ParallelismConfig(**parallelism),
         activation_checkpoint=None,
@@ -381,10 +395,12 @@ def titan_rank(args: argparse.Namespace) -> None:
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
 
-    losses, norms, rates, times = [], [], [], []
+    losses, norms, rates, times, peaks = [], [], [], [], [0]
     log, train_step = trainer.metrics_processor.log, trainer.train_step
 
     def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if args.device == "cuda":  # before torchtitan's log resets the peak
+            peaks.append(torch.cuda.max_memory_allocated())
         losses.append(float(global_avg_loss))
         norms.append(float(grad_norm))
         rates.append(next(v for k, v in (extra_metrics or {}).items() if k.startswith("lr/")))
@@ -399,7 +415,7 @@ def titan_rank(args: argparse.Namespace) -> None:
     trainer.metrics_processor.log, trainer.train_step = logged, timed
     trainer.train()
     if args.device == "cuda":
-        memory = torch.tensor(float(torch.cuda.max_memory_allocated()), device="cuda")
+        memory = torch.tensor(float(max(peaks)), device="cuda")
     else:
         memory = torch.tensor(float(peak_rss_bytes()))
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -455,7 +471,8 @@ def run_titan(args: argparse.Namespace, layout: str, run_dir: str) -> dict:
         f"--prefix={args.prefix}", f"--cache={args.cache}", f"--preset={args.preset}",
         f"--steps={args.steps}", f"--lr-warmup={args.lr_warmup}", f"--seq={args.seq}",
         f"--mbs={args.mbs}", f"--threads={args.threads}", f"--malloc={args.malloc}",
-        f"--device={args.device}",
+        f"--device={args.device}", *(f"--hp={key}" for key in args.hp),
+        *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
         nproc=nproc, threads=threads_for(args, nproc), launcher=titan_launcher(args),
     )  # fmt: skip
     line = next(x for x in reversed(done.stdout.splitlines()) if x.startswith(MARK))
@@ -545,6 +562,12 @@ def main() -> None:
     parser.add_argument("--malloc", choices=["shipped", "keep", "system"], default="shipped")
     parser.add_argument("--titan-env", help="a Python with torchtitan (default: uv's overlay)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--hp", action="append", default=[], metavar="KEY=VALUE", help="one more hp-train key"
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="torchtitan without its CUDA graphs"
+    )
     parser.add_argument("--titan-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
