@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 # One thread per process keeps CPU tests fast on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Proven tokenizer recipes go to a directory of this test session's, not the user's cache
+# (hp_data/recipe_cache.py); the processes a test starts inherit it.
+os.environ["HP_DATA_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="hp-test-recipes-")
 
 
 @pytest.fixture(scope="session")

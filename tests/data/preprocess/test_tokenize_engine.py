@@ -143,8 +143,10 @@ def test_a_trap_in_the_merges_is_proven_so_before_the_run(tmp_path, example_toke
 @pytest.fixture
 def unproven(monkeypatch):
     """The proof switched off, so that what stands behind it (the probe set and the documents
-    checked during the run) is what a trap meets."""
+    checked during the run) is what a trap meets; and no recipe kept, so that no later
+    run takes this unproven one for proven (hp_data/recipe_cache.py)."""
     monkeypatch.setattr("hp_data.fast_bpe.prove", lambda *args, **kwargs: None)
+    monkeypatch.setenv("HP_DATA_TOKENIZER_CACHE", "off")
 
 
 def test_a_difference_in_the_first_documents_falls_back_to_tokenizers(

@@ -40,9 +40,10 @@ import itertools
 import os
 import random
 import re
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import orjson
@@ -68,6 +69,9 @@ O200K_PATTERN = "|".join(
         r"\s+",
     )
 )
+# What a recipe saved by an older proof must not be taken for (`FastBPE.load`): bumped
+# whenever `prove` or the conversion changes.
+PROOF_VERSION = 2
 # Split regexes that match at every position of any text: each character is a letter, a
 # number, a space or none of these, and an alternative takes each kind on its own.
 COVERING_PATTERNS = frozenset((BYTE_LEVEL_PATTERN, LLAMA3_PATTERN, O200K_PATTERN))
@@ -216,6 +220,44 @@ class FastBPE:
 
     def engine(self) -> TiktokenEngine:
         return TiktokenEngine(self)
+
+    def save(self, stream: IO[bytes], tokenizer_hash: str) -> None:
+        """The recipe as an uncompressed .npz (no pickle; zip's CRC guards every member),
+        marked with the xxh3-128 of the tokenizer.json it was made from and the proof's
+        version, which `load` checks: a later run reads it instead of converting again."""
+        keys = list(self.ranks)
+        meta = {"pattern": self.pattern, "specials": self.specials, "tokenizer": tokenizer_hash}
+        np.savez(
+            stream,
+            meta=np.frombuffer(orjson.dumps({**meta, "proof": PROOF_VERSION}), np.uint8),
+            blob=np.frombuffer(b"".join(keys), np.uint8),
+            ends=np.cumsum([len(key) for key in keys], dtype=np.int64),
+            order=np.fromiter(self.ranks.values(), np.int64, count=len(keys)),
+            ids=self.ids,
+        )
+
+    @classmethod
+    def load(cls, path: str, tokenizer_hash: str) -> FastBPE:
+        """What `save` wrote for the tokenizer whose xxh3-128 is `tokenizer_hash`; raises
+        ValueError (or OSError) for anything else: another tokenizer's, another proof's,
+        damaged, not a recipe."""
+        try:
+            with np.load(path, allow_pickle=False) as arrays:
+                meta = orjson.loads(arrays["meta"].tobytes())
+                blob, ends = arrays["blob"].tobytes(), arrays["ends"].tolist()
+                order, ids = arrays["order"].tolist(), arrays["ids"]
+        except (KeyError, EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"not a recipe: {exc}") from None
+        if not isinstance(meta, dict) or (meta.get("tokenizer"), meta.get("proof")) != (
+            tokenizer_hash,
+            PROOF_VERSION,
+        ):
+            raise ValueError("a recipe of another tokenizer or proof")
+        starts = [0, *ends[:-1]]
+        ranks = {blob[a:b]: rank for a, b, rank in zip(starts, ends, order, strict=True)}
+        if len(ranks) != len(order) or ids.dtype != np.int64 or len(ids) <= max(order, default=0):
+            raise ValueError("an inconsistent recipe")
+        return cls(meta["pattern"], ranks, meta["specials"], ids)
 
 
 def _pairs(merges: Sequence[Any]) -> list[tuple[str, str]]:

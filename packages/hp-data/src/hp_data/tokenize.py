@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -14,8 +15,16 @@ import orjson
 import xxhash
 from tokenizers import Tokenizer
 
+from hp_data import recipe_cache
 from hp_data.errors import PreprocessError
-from hp_data.fast_bpe import FastBPE, NotConvertible, NotProven, compare, probe_texts
+from hp_data.fast_bpe import (
+    FastBPE,
+    NotConvertible,
+    NotProven,
+    TiktokenEngine,
+    compare,
+    probe_texts,
+)
 from hp_data.fs import first_line
 from hp_data.tokenizer_hub import _HUB_NAME, _from_hub
 
@@ -322,7 +331,8 @@ class VerifiedEngine:
     """The engine a run tokenizes with, chosen and checked once (`choose`): the tiktoken
     engine only where it gives `tokenizers`' ids, else the tokenizer's own encoder. The
     pipeline asks it for the engine, its notice and, after a document that the two engines
-    part on, what to do (`fall_back`); each process builds its encoders from it (`engines`)."""
+    part on, what to do (`fall_back`). A worker builds its tiktoken engine from it
+    (`fast_engine`); the main process checks that engine's ids against `tokenizers`."""
 
     files: TokenizerFiles
     name: str  # the engine that runs: hf (tokenizers), sentencepiece or tiktoken
@@ -330,6 +340,8 @@ class VerifiedEngine:
     probes: int = 0  # probe texts the tiktoken engine passed before the run
     notice: str | None = None  # the one line to warn with: why tiktoken is not used
     recipe: FastBPE | None = field(default=None, repr=False, compare=False)
+    tokenizer_hash: str = ""  # xxh3-128 of the tokenizer.json: what a kept recipe must match
+    recipe_file: str | None = None  # where the proven recipe is kept, for the workers
 
     @classmethod
     def choose(
@@ -351,8 +363,10 @@ class VerifiedEngine:
         if requested == "hf":
             return reference
         source = files.tokenizer_json
+        tokenizer_hash = files.content_hash()
         try:
-            recipe = fast_recipe(files, proven=True)
+            prove = functools.partial(fast_recipe, files, proven=True)
+            recipe, kept = recipe_cache.proven_recipe(prove, tokenizer_hash)
             engine = recipe.engine()
         except (NotConvertible, ValueError, KeyError, TypeError, AttributeError) as exc:
             # Beyond NotConvertible: a description of an unexpected shape, or tiktoken refusing.
@@ -376,19 +390,17 @@ class VerifiedEngine:
             if requested == "tiktoken":
                 raise PreprocessError(f"{message}; use --tokenizer-engine auto or hf")
             return replace(reference, notice=f"{message}; using tokenizers")
-        return cls(files, "tiktoken", requested, len(probes), recipe=recipe)
+        return cls(files, "tiktoken", requested, len(probes), None, recipe, tokenizer_hash, kept)
 
     @property
     def fast(self) -> bool:
         return self.name == "tiktoken"
 
-    def engines(self, tokenizer: Tokenizer | SentencePieceModel) -> tuple[Engine, Engine]:
-        """(the engine, the reference its ids are checked against) in this process. A worker
-        converts the tokenizer again, without the proof, which `choose` did for the run."""
-        reference = reference_engine(tokenizer)
-        if not self.fast:
-            return reference, reference
-        return (self.recipe or fast_recipe(self.files)).engine(), reference
+    def fast_engine(self) -> TiktokenEngine:
+        """The tiktoken engine in this process: a worker reads the recipe `choose` kept, or
+        converts the tokenizer again (without the proof, which `choose` did for the run)."""
+        recipe = self.recipe or recipe_cache.load(self.recipe_file, self.tokenizer_hash)
+        return (recipe or fast_recipe(self.files)).engine()
 
     def fall_back(self, mismatch: str, rereadable: bool) -> VerifiedEngine:
         """`tokenizers` for a run whose tiktoken engine gave other ids on a document

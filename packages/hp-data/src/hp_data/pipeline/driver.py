@@ -28,7 +28,7 @@ from hp_data.pipeline.workdir import _config_hash, _UnitStats, _WorkDir
 from hp_data.pipeline.worker import (
     VERIFY_EVERY,
     EngineMismatch,
-    _results,
+    Workers,
     _WorkerSpec,
     refuse_reentry,
 )
@@ -75,10 +75,11 @@ def preprocess(
     options = options or PreprocessOptions()
     refuse_reentry()
     started = time.perf_counter()
-    job = _prepare(inputs, out_prefix, tokenizer_path, options)
-    if isinstance(job, PreprocessSummary):  # a shard that an earlier run finished
-        return job
-    run = _tokenize(job)
+    with Workers(options.workers) as workers:
+        job = _prepare(inputs, out_prefix, tokenizer_path, options, workers)
+        if isinstance(job, PreprocessSummary):  # a shard that an earlier run finished
+            return job
+        run = _tokenize(job, workers)
     return _commit(job, run, started)
 
 
@@ -167,6 +168,7 @@ def _prepare(
     out_prefix: str,
     tokenizer_path: str | TokenizerFiles,
     options: PreprocessOptions,
+    workers: Workers,
 ) -> _Prepared | PreprocessSummary:
     """Check the options, plan the inputs, choose the engine and take up an earlier run's
     work: whatever refuses the run does so before its first token. A shard that an earlier
@@ -178,6 +180,7 @@ def _prepare(
         if isinstance(tokenizer_path, TokenizerFiles)
         else TokenizerFiles.locate(tokenizer_path, options.allow_download)
     )
+    workers.start()  # they start up while the tokenizer loads and the engine is chosen
     tokenizer = files.load()
     vocabulary = vocab_size(tokenizer)
     dtype = optimal_dtype(vocabulary) if options.dtype is None else as_token_dtype(options.dtype)
@@ -229,7 +232,7 @@ def _prepare(
     return job
 
 
-def _tokenize(job: _Prepared) -> _UnitWriter:
+def _tokenize(job: _Prepared, workers: Workers) -> _UnitWriter:
     """Every unit not done yet, through the workers into the work directory. Where the
     tiktoken engine gave other ids than tokenizers on a document, what it wrote is suspect:
     the work directory goes, and every unit is tokenized again with tokenizers, or the run
@@ -247,7 +250,7 @@ def _tokenize(job: _Prepared) -> _UnitWriter:
             job.workdir, units, spec.keys, job.dtype, job.seen, progress, not spec.stop_at_invalid
         )
         try:
-            results = _results(job.chunks(), spec, options.workers, job.tokenizer)
+            results = workers.results(job.chunks(), spec, job.tokenizer)
             with contextlib.closing(results):
                 for result in results:
                     run.take(result)

@@ -1,5 +1,5 @@
 """The worker side of a preprocess run: each worker process parses, checks and tokenizes
-chunks; `_results` runs them (a process pool, or one worker in this process) and gives
+chunks; `Workers` runs them (a process pool, or one worker in this process) and gives
 the results back in order."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hp_data.provenance import (
 from hp_data.readers.parsing import read_chunk
 from hp_data.readers.units import KEYS_OPTION, MAX_DOCUMENT_CHARS, Chunk, Parsed
 from hp_data.remote import DEFAULT_TIMEOUT, set_timeout
-from hp_data.tokenize import VerifiedEngine, frame_documents
+from hp_data.tokenize import Engine, VerifiedEngine, frame_documents, reference_engine
 
 VERIFY_EVERY = 1000  # the fast engine's ids are checked on one document in this many
 
@@ -55,6 +55,9 @@ class EngineMismatch(PreprocessError):
     """The fast engine gave other ids than tokenizers on a document of the run."""
 
 
+_Sample = tuple[list[str], tuple[np.ndarray, np.ndarray]]  # texts, and their (ids, lengths)
+
+
 @dataclass
 class _Result:
     unit: int
@@ -67,6 +70,10 @@ class _Result:
     tokens: list[np.ndarray] = field(default_factory=list)  # per key
     lengths: list[np.ndarray] = field(default_factory=list)  # per key, per kept record
     hashes: np.ndarray | None = None  # (kept records, 2) uint64
+    # The fast engine's ids of a sample of the chunk's texts, per key, and the sample's line
+    # offsets; the main process checks them against tokenizers' (`_verify`) and drops them.
+    samples: list[_Sample] = field(default_factory=list)
+    sample_lines: list[int] = field(default_factory=list)
     verified: int = 0  # documents whose fast-engine ids were checked against tokenizers
     mismatch: tuple[int, str] | None = None  # (line offset, what differs), when one did not
     dropped: np.ndarray | None = None  # line offsets that made no document (before dedup)
@@ -76,32 +83,34 @@ class _Result:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
+def _start_worker() -> None:
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    import tiktoken  # noqa: F401  (while the main process prepares the run)
 
+
+def _init_worker(spec: _WorkerSpec, tokenizer: Any = None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker["spec"] = spec
     set_timeout(spec.remote_timeout)
-    tokenizer = tokenizer or spec.engine.files.load()
-    _worker["engine"], _worker["reference"] = spec.engine.engines(tokenizer)
+    if spec.engine.fast:  # checked in the main process, which holds the tokenizer (_verify)
+        _worker["engine"] = spec.engine.fast_engine()
+    else:
+        _worker["engine"] = reference_engine(tokenizer or spec.engine.files.load())
 
 
 def _encode(
-    parsed: Parsed, spec: _WorkerSpec, dtype: np.dtype, chosen: np.ndarray | None
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[int, str] | None]:
-    """Each key's (tokens, lengths), and where the fast engine's ids part from tokenizers' on
-    the `chosen` texts (text index, what differs), if they do; then the chunk is encoded
-    again with tokenizers, so that what is returned is always tokenizers' ids."""
-    engine, reference = _worker["engine"], _worker["reference"]
+    parsed: Parsed, spec: _WorkerSpec, dtype: np.dtype, chosen: np.ndarray
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[_Sample]]:
+    """Each key's (tokens, lengths), and, from the fast engine, each key's `chosen` texts
+    with their ids, for the main process to check against tokenizers'."""
+    engine = _worker["engine"]
     raw = [engine.encode(texts) for texts in parsed.texts]
-    if chosen is not None and engine is not reference:
+    samples = []
+    if spec.engine.fast:
         for texts, (ids, lengths) in zip(parsed.texts, raw, strict=True):
-            sample = [texts[i] for i in chosen]
-            found = compare(sample, reference.encode(sample), pick(ids, lengths, chosen))
-            if found is not None:
-                raw = [reference.encode(texts) for texts in parsed.texts]
-                return _frame(raw, spec, dtype), (int(chosen[found.index]), found.describe())
-    return _frame(raw, spec, dtype), None
+            samples.append(([texts[i] for i in chosen], pick(ids, lengths, chosen)))
+    return _frame(raw, spec, dtype), samples
 
 
 def _frame(
@@ -119,8 +128,10 @@ def _sample(chunk: Chunk, count: int, every: int) -> np.ndarray:
     return np.arange(first, count, every)
 
 
-def _work(chunk: Chunk, first: bool = False) -> _Result:
-    spec: _WorkerSpec = _worker["spec"]
+def _work(chunk: Chunk, first: bool = False, spec: _WorkerSpec | None = None) -> _Result:
+    if spec is not None and spec != _worker.get("spec"):  # a worker's first chunk of a run
+        _init_worker(spec)
+    spec = _worker["spec"]
 
     def read(stop_at_invalid: bool, check_unicode: bool = False, **more: bool) -> Parsed:
         """The chunk read (again) with the run's keys, their option's name and length limit."""
@@ -143,18 +154,16 @@ def _work(chunk: Chunk, first: bool = False) -> _Result:
     if first:
         chosen = np.union1d(np.arange(min(count, VERIFY_FIRST)), chosen)
     try:
-        encoded, mismatch = _encode(parsed, spec, dtype, chosen)
+        encoded, result.samples = _encode(parsed, spec, dtype, chosen)
     except (TypeError, UnicodeEncodeError):  # a text that is not valid Unicode is refused
         parsed = read(spec.stop_at_invalid, check_unicode=True)
         result.invalid = parsed.invalid
         if spec.stop_at_invalid:
             return result
         chosen = chosen[chosen < len(parsed.texts[0])]
-        encoded, mismatch = _encode(parsed, spec, dtype, chosen)
-    if _worker["engine"] is not _worker["reference"]:
-        result.verified = len(chosen)
-    if mismatch is not None:
-        result.mismatch = (parsed.offsets[mismatch[0]], mismatch[1])  # type: ignore[index]
+        encoded, result.samples = _encode(parsed, spec, dtype, chosen)
+    if result.samples:
+        result.sample_lines = [parsed.offsets[i] for i in chosen]  # type: ignore[index]
     keep = np.ones(len(parsed.texts[0]), dtype=bool)
     if not spec.keep_empty:
         keep = np.logical_or.reduce([lengths > 0 for _, lengths in encoded]) if encoded else keep
@@ -185,37 +194,81 @@ def _dropped(parsed: Parsed, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return dropped, reasons[dropped]
 
 
-def _results(
-    work: Iterator[Chunk], spec: _WorkerSpec, workers: int, tokenizer: Any
-) -> Iterator[_Result]:
-    """Results of every chunk, in order; at most a few chunks in flight per worker. One
-    worker runs here, with the main process's `tokenizer`. The fast engine is checked on
-    the first documents of the first chunk, and on a sample of every chunk."""
-    if workers <= 1:
-        _init_worker(spec, tokenizer)
-        for number, chunk in enumerate(work):
-            yield _work(chunk, number == 0)
-        return
-    # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or
-    # failing to start) breaks it, where a Pool would wait for its result forever.
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, context, initializer=_init_worker, initargs=(spec,))
-    try:
+class Workers:
+    """The run's worker processes, started (`start`) before the main process loads the
+    tokenizer and chooses the engine, so that each one's start-up (a fresh interpreter
+    importing hp-data, about 0.4 s) overlaps that; each takes the run's spec with every
+    chunk and builds its engine for the first. With one worker, chunks run in this process."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.pool: ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the processes, without waiting for them."""
+        if self.count > 1 and self.pool is None:
+            # An executor, not multiprocessing.Pool: a worker that dies (killed, out of memory,
+            # or failing to start) breaks it, where a Pool would wait for its result forever.
+            context = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(self.count, context, initializer=_start_worker)
+            for _ in range(self.count):  # the executor starts a process per task not taken
+                self.pool.submit(int)
+
+    def results(
+        self, work: Iterator[Chunk], spec: _WorkerSpec, tokenizer: Any
+    ) -> Iterator[_Result]:
+        """Results of every chunk, in order; at most a few chunks in flight per worker. The
+        fast engine's ids are checked here, with the main process's `tokenizer`, on the first
+        documents of the first chunk and on a sample of every chunk."""
+        reference = reference_engine(tokenizer)
+        if self.count <= 1:
+            _init_worker(spec, tokenizer)
+            for number, chunk in enumerate(work):
+                yield _verify(_work(chunk, number == 0), reference)
+            return
+        self.start()
+        assert self.pool is not None
         pending: deque[Future[_Result]] = deque()
-        for number, chunk in enumerate(work):
-            pending.append(pool.submit(_work, chunk, number == 0))
-            if len(pending) >= 2 * workers + 1:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    except BrokenProcessPool:
-        raise PreprocessError(
-            "a tokenizer worker process died (killed, out of memory, or unable to start: "
-            "spawned workers re-run the calling script, so call hp-data under "
-            "`if __name__ == '__main__':`, or use one worker)"
-        ) from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            for number, chunk in enumerate(work):
+                pending.append(self.pool.submit(_work, chunk, number == 0, spec))
+                if len(pending) >= 2 * self.count + 1:
+                    yield _verify(pending.popleft().result(), reference)
+            while pending:
+                yield _verify(pending.popleft().result(), reference)
+        except BrokenProcessPool:
+            raise PreprocessError(
+                "a tokenizer worker process died (killed, out of memory, or unable to start: "
+                "spawned workers re-run the calling script, so call hp-data under "
+                "`if __name__ == '__main__':`, or use one worker)"
+            ) from None
+        finally:  # a run that stops, or starts over with tokenizers, drops what is queued
+            for future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _verify(result: _Result, reference: Engine) -> _Result:
+    """`result` with its sample checked against `reference`: how many documents were, and
+    the first that the fast engine gave other ids for (line offset, what differs)."""
+    for texts, ids in result.samples:
+        found = compare(texts, reference.encode(texts), ids)
+        if found is not None:
+            result.mismatch = (result.sample_lines[found.index], found.describe())
+            break
+    result.verified = len(result.sample_lines)
+    result.samples, result.sample_lines = [], []
+    return result
 
 
 def refuse_reentry() -> None:
