@@ -27,7 +27,8 @@ leftmost. Without `ignore_merges` a piece that is a token t is emitted whole by 
 and merged by `tokenizers`, which then needs `tiktoken` alone on t's bytes to make t. The
 two engines' ties between two merges of one token (`tokenizers` orders them by their place
 in the list, `tiktoken` by position) never arise, since only t's own split is ever joined.
-`prove` runs `tiktoken`'s merging on every token's bytes (a few seconds for 200k tokens).
+`prove` runs `tiktoken`'s merging on every token's bytes, but for a token each of whose splits
+into two tokens is a merge (a converted file's tokens): its own split is one of them.
 The split regex is given to both (to `tiktoken` made to keep the text between matches, as
 `tokenizers` does, `_keeping_gaps`); what no proof here covers, the two regex engines' dialects,
 is checked by comparing ids: on a probe set before a run, and on sampled documents during it.
@@ -179,20 +180,21 @@ class FastBPE:
         previous = None
         for number, (left, right) in enumerate(merges):
             made = left + right
+            if made == previous:  # another merge of the token just ranked (converted files)
+                continue
             if made not in vocab:
                 raise NotConvertible(f"merge {number} makes {made!r}, which is not in the vocab")
             first, second = as_bytes.get(left), as_bytes.get(right)
             if first is None or second is None:
                 raise NotConvertible(f"merge {number} joins tokens that are not byte-level")
             key = first + second
-            if key not in ranks:  # a token's rank: where its first merge stands
-                ranks[key] = len(ids)
-                ids.append(vocab[made])
-            elif key != previous:
+            if key in ranks:
                 raise NotConvertible(
                     f"merge {number} makes {made!r}, which a merge apart from it made earlier"
                 )
-            previous = key
+            ranks[key] = len(ids)  # a token's rank: where its first merge stands
+            ids.append(vocab[made])
+            previous = made
         added_ids = set()
         specials: dict[str, int] = {}
         for token in added:
@@ -271,9 +273,13 @@ def prove(merges: list[tuple[str, str]], recipe: FastBPE, whole_pieces: bool) ->
     unless `tokenizers` emits whole pieces too (`whole_pieces`: `ignore_merges`), unless
     `tiktoken` makes every token so. The condition under which the two merge alike (the module
     docstring says why)."""
-    pairs = {(_as_bytes(left), _as_bytes(right)) for left, right in merges}
-    for token in itertools.islice(recipe.ranks, 256, None):
-        split = _own_split(token, recipe.ranks)
+    as_bytes = {side: _as_bytes(side) for side in {side for pair in merges for side in pair}}
+    pairs = {(as_bytes[left], as_bytes[right]) for left, right in merges}
+    ranks = recipe.ranks
+    for token in itertools.islice(ranks, 256, None):
+        if whole_pieces and _every_split_merges(token, ranks, pairs):
+            continue  # its own split, whichever it is, is a merge (a converted file's case)
+        split = _own_split(token, ranks)
         if split is None and not whole_pieces:
             raise NotProven(
                 f"tiktoken does not make its token {_as_text(token)!r} of its bytes, but emits "
@@ -285,6 +291,18 @@ def prove(merges: list[tuple[str, str]], recipe: FastBPE, whole_pieces: bool) ->
                 f"tiktoken makes its token {_as_text(token)!r} of {parts}, which is not one of "
                 "its merges, so the engines can part"
             )
+
+
+def _every_split_merges(
+    token: bytes, ranks: dict[bytes, int], pairs: set[tuple[bytes | None, bytes | None]]
+) -> bool:
+    """Whether every split of `token` into two tokens is a merge: then so is its own split,
+    if tiktoken makes it at all, without running tiktoken's merging to find which."""
+    for i in range(1, len(token)):
+        left, right = token[:i], token[i:]
+        if left in ranks and right in ranks and (left, right) not in pairs:
+            return False
+    return True
 
 
 def _own_split(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
