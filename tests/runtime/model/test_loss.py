@@ -1,8 +1,9 @@
 """The chunked cross-entropy (`model/loss.py`) against the computation it replaces: the whole
 micro-batch's logits upcast to fp32 and `F.cross_entropy(..., reduction="sum")` on them.
 
-Losses and every gradient within 1e-6 relative (fp32) on one process, TP 2 with and without
-`loss_parallel`, and PP 2 with tied embeddings, each on labels with IGNOREd tokens and chunks
+Losses and every gradient within 1e-6 relative (fp32) on one process and PP 2 (the head's
+gradients made in the forward), TP 2 with and without `loss_parallel` (recomputed), PP 2 with
+tied embeddings, each on labels with IGNOREd tokens and chunks
 that do not divide the sequence; the trainer's own losses (`eod_mask_loss`, the global-token
 normalisation, validation) the same chunked and unchunked on one process and PP 2; and no
 tensor with the vocabulary as its last dimension larger than one chunk, forward or backward.
@@ -94,6 +95,45 @@ def test_one_process_equals_the_whole_sequence(tied):
     want = _step(model, tokens, labels, None)
     for chunk in (0, 1, 10, 16, BATCH * SEQ, 10_000):  # 10: 5 positions, uneven; 1: one each
         _assert_equal(_step(model, tokens, labels, chunk), want)
+
+
+def test_the_head_gradient_needs_one_weight_for_every_loss_token():
+    """The head's gradient is made in the forward for a unit weight per token and scaled in
+    the backward: a loss that weighs its tokens unevenly gets a NaN head gradient (which the
+    step's non-finite check stops on), never a wrong one; the gradients below the head are
+    exact; uneven weights on IGNOREd tokens (which have no gradient) change nothing."""
+    model = _model()
+    tokens, labels = _batch(model.config.vocab_size)
+    ignored = labels == IGNORE
+    for weights, fine in (
+        (torch.where(ignored, 7.0, 0.5), True),  # even on the loss tokens
+        (torch.linspace(0.5, 2.0, labels.numel()).view(labels.shape), False),
+    ):
+        model.zero_grad(set_to_none=True)
+        (model(tokens, labels=labels, loss_chunk_tokens=10) * weights).sum().backward()
+        got = _grads([model])
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens).float()
+        losses = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE
+        )
+        (losses.view(labels.shape) * weights).sum().backward()
+        want = _grads([model])
+        assert np.isnan(got["output.weight"]).all() != fine
+        for name in want:
+            if name != "output.weight" or fine:
+                assert _relative(got[name], want[name]) < RTOL, name
+
+
+def test_without_gradients_the_losses_are_the_same():
+    """Validation and replay (no graph) take the same losses, and make no gradient."""
+    model = _model(vocab_size=1000)
+    tokens, labels = _batch(1000)
+    with_graph = model(tokens, labels=labels, loss_chunk_tokens=8)
+    with torch.no_grad(), _LogitsSized(model.config) as seen:
+        without = model(tokens, labels=labels, loss_chunk_tokens=8)
+    assert torch.equal(with_graph.detach(), without)
+    assert seen.largest == 8 * 1000
 
 
 def test_every_label_ignored_gives_zero_loss_and_gradients():

