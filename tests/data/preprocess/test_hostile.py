@@ -93,3 +93,34 @@ def test_a_file_cut_anywhere_is_refused_never_read_short(
     if skip_invalid:
         assert "corrupt" in message or "not a readable Parquet" in message, message
     _nothing_at(out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["not json", "a directory", "dropout"])
+def test_a_bad_tokenizer_with_workers_started_stops_at_once(
+    tmp_path, example_tokenizer, example_corpus, bad
+):
+    """The workers start before the tokenizer loads (pipeline/worker.py's `Workers`): a
+    tokenizer refused after that stops the run in one line, nothing written, and the workers
+    are let go (the test's timeout would catch a pool left waiting)."""
+    import json
+
+    from tests.helpers.run import cli
+
+    tokenizer = tmp_path / "tokenizer.json"
+    if bad == "not json":
+        tokenizer.write_text("{ this is not json")
+    elif bad == "a directory":
+        tokenizer = tmp_path / "empty-dir"
+        tokenizer.mkdir()
+    else:
+        described = json.loads(example_tokenizer.read_text())
+        described["model"]["dropout"] = 0.1
+        tokenizer.write_text(json.dumps(described))
+    out = tmp_path / "out"
+    done = cli("preprocess", example_corpus, "--out", out, "--tokenizer", tokenizer,
+               "--workers", "2", "--quiet", timeout=50)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert str(tokenizer.name) in done.stderr
+    _nothing_at(out)
