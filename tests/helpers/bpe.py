@@ -118,3 +118,33 @@ def convert_ranks(
     )
     converter.converted().save(str(out))
     return out
+
+
+def adversarial_probes(count: int = 3200, seed: int = 1) -> list[str]:
+    """Texts where converted tokenizers' many merges of one token could tell the engines apart:
+    long digit runs, mixed scripts, emoji (with joiners and skin tones), whitespace runs,
+    contractions, repeated characters and repeated syllables."""
+    rng = random.Random(seed)
+    scripts = "aéßΩжשع अ ก 한あア中🙂👍🏽👨‍👩‍👧ﬁ\u0301\u200d"
+    syllables = ["an", "na", "ana", "ss", "is", "si", "ab", "ba", "ing", "the", "er", "re"]
+
+    def piece() -> str:
+        kind = rng.randrange(7)
+        if kind == 0:
+            return "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 40)))
+        if kind == 1:
+            return "".join(rng.choice(scripts) for _ in range(rng.randint(1, 12)))
+        if kind == 2:
+            return "".join(rng.choice(" \t\n\r\u00a0\u3000") for _ in range(rng.randint(1, 30)))
+        if kind == 3:
+            return rng.choice(["I", "you", "WE", "it", "They"]) + rng.choice(_CONTRACTIONS_ALL)
+        if kind == 4:
+            return rng.choice("a -=*#.0e/") * rng.randint(2, 70)
+        if kind == 5:
+            return "".join(rng.choices(syllables, k=rng.randint(2, 14)))
+        return rng.choice(["Hello", "WORLD", "camelCase", "snake_case", "x1y22", "3.14159"])
+
+    return ["".join(piece() for _ in range(rng.randint(1, 6))) for _ in range(count)]
+
+
+_CONTRACTIONS_ALL = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "'Re", "\u2019s"]

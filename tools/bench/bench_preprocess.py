@@ -316,6 +316,28 @@ def compare_engines(corpus: Path, name: str, tokenizer: Path, workers: int) -> N
             )
     same = all(files == written["hf"] for files in written.values())
     print(f"  identical .bin/.idx from every run: {same}")
+    if "converted" in name:
+        probes(tokenizer)
+
+
+def probes(tokenizer: Path) -> None:
+    """The tiktoken engine's ids against `tokenizers`' on the run's probe set and 3,200
+    adversarial texts (the tests' own, `tests/helpers/bpe.py`), one text at a time."""
+    import numpy as np
+    from hp_data.fast_bpe import FastBPE, compare, probe_texts
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
+    from tests.helpers.bpe import adversarial_probes
+
+    reference = Tokenizer.from_file(str(tokenizer))
+    added = [token.content for token in reference.get_added_tokens_decoder().values()]
+    texts = probe_texts(added) + adversarial_probes()
+    ids = [reference.encode(text, add_special_tokens=False).ids for text in texts]
+    want = np.array([i for one in ids for i in one], np.int64), np.array(list(map(len, ids)))
+    found = compare(texts, want, FastBPE.from_tokenizer_json(tokenizer).engine().encode(texts))
+    verdict = "yes" if found is None else f"no: {texts[found.index]!r} {found.describe()}"
+    print(f"  ids identical on {len(texts):,} probe and adversarial texts: {verdict}")
 
 
 def main() -> None:
