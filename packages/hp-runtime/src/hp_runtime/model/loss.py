@@ -15,9 +15,10 @@ one chunk's logits (upcast to fp32 for the softmax) exist at once, in one of two
   the IGNORE label and no gradient). The backward checks it on the device, without a host
   sync: a head gradient made under other weights would be wrong, so it is NaN instead, which
   the step's non-finite check stops on.
-- **Recomputed** (a tensor-parallel head, whose logits are vocabulary-sharded DTensors under
-  `loss_parallel`): each chunk under activation checkpointing, its logits freed after its
-  forward and recomputed in its backward; the head's matmul runs twice.
+- **Recomputed** (a head whose weight is a tensor subclass: a tensor-parallel head, whose
+  logits are vocabulary-sharded DTensors under `loss_parallel`): each chunk under activation
+  checkpointing, its logits freed after its forward and recomputed in its backward; the
+  head's matmul runs twice.
 
 Both give the values and gradients of the whole-sequence computation. The head is called as a
 module on the recomputed path, so the plans that act on it (a tensor-parallel head,
@@ -32,11 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from hp_runtime.model.config import CHUNK_TOKENS  # there, torch-free, for the trainer's config
 
+_PLAIN = (torch.Tensor, nn.Parameter)
 IGNORE = -100  # the label of a token without loss (F.cross_entropy's default ignore_index)
 
 
@@ -122,7 +123,8 @@ def token_losses(
     `_HeadLoss` where the head's weight is a plain tensor, else recomputed per chunk."""
     positions = labels.shape[1] if chunk == 0 else max(1, chunk // labels.shape[0])
     weight = getattr(head, "weight", None)
-    if isinstance(head, nn.Linear) and head.bias is None and not isinstance(weight, DTensor):
+    # A plain tensor: a subclass (a tensor-parallel DTensor) computes its ops its own way.
+    if isinstance(head, nn.Linear) and head.bias is None and type(weight) in _PLAIN:
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _HeadLoss.apply(h, weight, labels, positions)
         return _head_losses(h, weight, labels, positions)  # validation, replay: no gradients
