@@ -79,8 +79,13 @@ def _head_losses(
         del logits, probs
         if grad_h is not None:
             grad_h[:, span] = g @ weight.to(g.dtype)
-        if grad_w is not None:
-            grad_w += (g.flatten(0, 1).T @ part.flatten(0, 1)).to(grad_w.dtype)
+        if grad_w is None:
+            continue
+        rows, columns = g.flatten(0, 1).T, part.flatten(0, 1)
+        if grad_w.dtype == g.dtype and not torch.is_autocast_enabled(g.device.type):
+            grad_w.addmm_(rows, columns)  # into the sum: no weight-sized temporary per chunk
+        else:  # autocast's matmul dtype, then added to the parameter's, as autograd does
+            grad_w += (rows @ columns).to(grad_w.dtype)
     return losses
 
 
