@@ -66,7 +66,8 @@ def _head_losses(
     for start in range(0, labels.shape[1], positions):
         span = slice(start, start + positions)
         part, target, kept = h[:, span], targets[:, span], keep[:, span]
-        logits = F.linear(part, weight).float()  # autocast's dtype, as head(h) gives, then fp32
+        logits = F.linear(part, weight)  # autocast's dtype, as head(h) gives it
+        matmul_dtype, logits = logits.dtype, logits.float()  # fp32 for the softmax
         lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, target).squeeze(-1)
         losses[:, span] = torch.where(kept, lse - picked, 0.0)
@@ -82,7 +83,7 @@ def _head_losses(
         if grad_w is None:
             continue
         rows, columns = g.flatten(0, 1).T, part.flatten(0, 1)
-        if grad_w.dtype == g.dtype and not torch.is_autocast_enabled(g.device.type):
+        if grad_w.dtype == g.dtype == matmul_dtype:  # no autocast changes the matmul's dtype
             grad_w.addmm_(rows, columns)  # into the sum: no weight-sized temporary per chunk
         else:  # autocast's matmul dtype, then added to the parameter's, as autograd does
             grad_w += (rows @ columns).to(grad_w.dtype)
