@@ -345,7 +345,11 @@ class VerifiedEngine:
 
     @classmethod
     def choose(
-        cls, files: TokenizerFiles, tokenizer: Tokenizer, requested: str = "auto"
+        cls,
+        files: TokenizerFiles,
+        tokenizer: Tokenizer,
+        requested: str = "auto",
+        tokenizer_hash: str | None = None,
     ) -> VerifiedEngine:
         """`auto` takes `tiktoken` only for a tokenizer it converts, proves exact
         (`fast_bpe.prove`) and that gives the same ids on the probe set; `tiktoken` makes any
@@ -363,7 +367,7 @@ class VerifiedEngine:
         if requested == "hf":
             return reference
         source = files.tokenizer_json
-        tokenizer_hash = files.content_hash()
+        tokenizer_hash = tokenizer_hash or files.content_hash()  # the caller's, if it has it
         try:
             prove = functools.partial(fast_recipe, files, proven=True)
             recipe, kept = recipe_cache.proven_recipe(prove, tokenizer_hash)
@@ -390,7 +394,15 @@ class VerifiedEngine:
             if requested == "tiktoken":
                 raise PreprocessError(f"{message}; use --tokenizer-engine auto or hf")
             return replace(reference, notice=f"{message}; using tokenizers")
-        return cls(files, "tiktoken", requested, len(probes), None, recipe, tokenizer_hash, kept)
+        return cls(
+            files,
+            "tiktoken",
+            requested,
+            probes=len(probes),
+            recipe=recipe,
+            tokenizer_hash=tokenizer_hash,
+            recipe_file=kept,
+        )
 
     @property
     def fast(self) -> bool:

@@ -189,7 +189,8 @@ def _prepare(
             f"--dtype {dtype} cannot hold ids of a {vocabulary}-token vocabulary; "
             f"use {optimal_dtype(vocabulary)} or wider"
         )
-    engine = VerifiedEngine.choose(files, tokenizer, options.tokenizer_engine)
+    tokenizer_hash = files.content_hash()  # read once: the engine, the config key, the metadata
+    engine = VerifiedEngine.choose(files, tokenizer, options.tokenizer_engine, tokenizer_hash)
     _warn(engine)
     spec = _WorkerSpec(
         engine=engine,
@@ -206,7 +207,6 @@ def _prepare(
         remote_timeout=options.remote_timeout,
     )
     outputs = output_prefixes(out_prefix, keys, options.megatron_names)
-    tokenizer_hash = files.content_hash()  # read once: the config key and the metadata
     config = _config_hash(tokenizer_hash, spec, options)
     metadata = {
         "schema": METADATA_SCHEMA,
