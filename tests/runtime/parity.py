@@ -14,6 +14,7 @@ from hp_runtime.model.attention import document_ids
 from hp_runtime.model.moe import Experts
 from hp_runtime.parallel import ParallelDims, ParallelOptions, assemble, canonical_name
 from hp_runtime.parallel.ep import ExpertDispatch
+from hp_runtime.parallel.options import Float8
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
 from hp_runtime.train.balance import Balance
 from torch.distributed.checkpoint.state_dict import (
@@ -81,7 +82,8 @@ def train(
     with as many as a layout has micro-batches in all computes the same auxiliary losses);
     checkpoint: ("save" or "load", directory, step): save the model and optimizer after
     `step` steps, or load them and run the steps from `step` on (the losses and norms of
-    those only). `documents`: None (positions 0..s-1), "reset" (packed documents' position
+    those only); float8: a `Float8`'s fields (`train.float8`), the linears converted.
+    `documents`: None (positions 0..s-1), "reset" (packed documents' position
     ids) or "mask" (those and document masking)."""
     config = preset("tiny", **model_overrides)
     pipeline = pipeline or {}
@@ -100,8 +102,17 @@ def train(
     def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(logits, targets) / microbatches  # its share of the batch mean
 
+    float8 = pipeline.get("float8")
+    if pipeline.get("float64"):
+        torch.set_default_dtype(torch.float64)
     assembly = assemble(
-        config, layout, torch.device("cpu"), seed=7, options=options, loss_fn=micro_batch_loss
+        config,
+        layout,
+        torch.device("cpu"),
+        seed=7,
+        options=options,
+        loss_fn=micro_batch_loss,
+        float8=Float8(**float8) if float8 is not None else None,
     )
     params = assembly.parameters
     if optimizer == "sgd":
@@ -120,6 +131,7 @@ def train(
     if checkpoint is not None and checkpoint[0] == "load":
         _, directory, first = checkpoint
         _load(assembly.modules, opt, directory)
+        assembly.weights_changed()
     masking = documents == "mask"
     # Context parallelism: the position ids travel whole (a stage's rows from their length).
     carries = documents is not None or assembly.cp is not None
@@ -178,6 +190,7 @@ def train(
             layers = [layer for layer, _ in balance.layers]
             figures.append(dict(zip(layers, balance.finish_step().numpy().copy(), strict=True)))
         opt.step()
+        assembly.weights_changed()
         opt.zero_grad()
         if balance is not None:
             balance.update_bias()
@@ -195,7 +208,7 @@ def train(
         for name, param in module.named_parameters():
             value = param.full_tensor() if hasattr(param, "full_tensor") else param
             # numpy: crosses process boundaries
-            full[canonical_name(name)] = value.detach().numpy().copy()
+            full[canonical_name(name)] = plain(value).numpy().copy()
     biases, local = {}, {}
     for layer, moe in balance.layers if balance is not None else ():
         biases[layer] = moe.router.expert_bias.detach().numpy().copy()
@@ -232,3 +245,9 @@ def _load(modules: list[torch.nn.Module], opt: torch.optim.Optimizer, directory:
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(modules[0], state["model"], options=_STATE)
     set_optimizer_state_dict(modules[0], opt, state["optim"], options=_STATE)
+
+
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A parameter's values as a plain tensor (float8's mxfp8 wraps its weights)."""
+    value = value.detach()
+    return value.as_subclass(torch.Tensor) if type(value) is not torch.Tensor else value

@@ -26,8 +26,8 @@ def test_every_part_runs_on_the_cpu(tmp_path):
     out = tmp_path / "cpu.json"
     parts = [
         "fp32_fused_adamw", "bf16_autocast", "fsdp_world1_bf16", "activation_checkpointing",
-        "document_masking", "chunked_loss", "speed_1b", "speed_8b_shaped", "checkpoint_sync",
-        "checkpoint_async",
+        "document_masking", "chunked_loss", "speed_1b", "speed_8b_shaped", "float8_curve",
+        "speed_8b_shaped_float8", "checkpoint_sync", "checkpoint_async",
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out),
@@ -46,6 +46,9 @@ def test_every_part_runs_on_the_cpu(tmp_path):
         assert part["max_rel_error"] <= part["tolerance"]
     assert report["parts"]["fp32_fused_adamw"]["max_rel_error"] == 0.0  # the CPU is the CPU
     assert report["parts"]["speed_1b"]["tokens_per_s"] > 0
+    curve = report["parts"]["float8_curve"]  # each recipe against bf16, and not bf16 itself
+    assert set(curve["end_rel_errors"]) == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    assert all(0 < error <= 1e-2 for error in curve["end_rel_errors"].values())
     saved = report["parts"]["checkpoint_async"]
     assert saved["resume_bit_identical"] and len(saved["save_seconds"]) == 2
     assert f"{len(parts)} of {len(parts)} parts passed" in done.stdout

@@ -9,7 +9,10 @@ paths (bf16 autocast over fp32 master weights, fp32 with fused AdamW, FSDP at wo
 with a bf16 mixed-precision policy, per-block `torch.compile`, activation checkpointing,
 document masking (flex on CUDA), the chunked loss), then tokens/s, MFU and peak memory of `1b`
 and of an 8B-shaped stack (its first layers only, to fit the time) with and without compile,
-then a checkpoint save (sync and async) and its load; on request (`--only titan`), hp-train
+then float8 (`train.float8`, torchao): 200 steps of a 1B-shaped model on the example corpus in
+bf16 and in each recipe (each float8 curve's end within 1% of bf16's), and the 8B-shaped
+stack's speed with float8, with and without compile; then a checkpoint save (sync and async)
+and its load; on request (`--only titan`), hp-train
 against torchtitan's trainer (`tools/bench/bench_titan.py`). A part that fails is reported
 with its error and the others still run; the exit status is 1 when any failed. Everything goes to
 stdout as a table and to `--out` as JSON (`environment`, then `parts`: one object each with
@@ -42,6 +45,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 FP32_TOL, BF16_TOL = 1e-3, 3e-2
+FLOAT8_TOL = 1e-2  # a float8 curve's end against bf16's (issue 43)
 
 
 class Check:
@@ -218,6 +222,39 @@ class Check:
             "titan_peak_memory_gib": layout["peak_memory_gib"]["titan"],
         }
 
+    # -- float8 -------------------------------------------------------------------------------
+
+    def float8_curve(self) -> dict[str, Any]:
+        """The loss of a 1B-shaped model (tiny: 128 wide feed-forward, so that it converts)
+        over 200 steps (tiny: 20) of the example corpus in bf16 and in each float8 recipe: each
+        recipe's mean loss over the last tenth of the steps within 1% of bf16's."""
+        steps = 20 if self.tiny else 200
+        model = ["model.ffn_hidden=128"] if self.tiny else ["model.preset=1b"]
+        seq = self.seq if self.tiny else 1024
+        common = [
+            f"train.device={self.device}", *model, *_text(self), f"model.max_seq_len={seq}",
+            f"data.seq_length={seq}", f"train.steps={steps}", "optim.lr=3e-4",
+            f"optim.warmup_steps={steps // 10}", "train.mixed_precision=bf16",
+        ]  # fmt: skip
+        ends: dict[str, float] = {}
+        out: dict[str, Any] = {"steps": steps, "curves": {}}
+        for recipe in ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
+            float8 = [] if recipe == "bf16" else [f"train.float8.recipe={recipe}"]
+            run = self.train(f"float8-{recipe}", [*self.base(f"float8-{recipe}"), *common, *float8])
+            losses = run["losses"]
+            out["curves"][recipe] = losses[:: max(steps // 20, 1)] + losses[-1:]
+            ends[recipe] = float(np.mean(losses[-max(steps // 10, 2) :]))
+            if recipe != "bf16":
+                out[f"{recipe}_tokens_per_s"] = run["last"].get("tokens_per_s")
+        errors = {r: abs(e - ends["bf16"]) / ends["bf16"] for r, e in ends.items() if r != "bf16"}
+        return out | {
+            "ok": max(errors.values()) <= FLOAT8_TOL,
+            "end_losses": ends,
+            "end_rel_errors": errors,
+            "max_rel_error": max(errors.values()),
+            "tolerance": FLOAT8_TOL,
+        }
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def checkpoint(self, async_save: bool) -> dict[str, Any]:
@@ -304,6 +341,7 @@ def parts(check: Check) -> dict[str, Callable[[], dict[str, Any]]]:
     flex = "flex" if check.device == "cuda" else "auto"  # torch trains flex on CUDA only
     big = ["model.preset=1b"] if not check.tiny else []
     eight = ["model.preset=8b", "model.n_layers=4"] if not check.tiny else []
+    float8 = ["train.float8.recipe=tensorwise"] + ([] if eight else ["model.ffn_hidden=128"])
     return {
         "fp32_fused_adamw": lambda: check.path("fp32", [], "fp32"),
         "bf16_autocast": lambda: check.path("bf16", [], "bf16"),
@@ -324,6 +362,11 @@ def parts(check: Check) -> dict[str, Callable[[], dict[str, Any]]]:
         "speed_1b_compile": lambda: check.speed("speed-1b-compile", big, True),
         "speed_8b_shaped": lambda: check.speed("speed-8b", eight, False),
         "speed_8b_shaped_compile": lambda: check.speed("speed-8b-compile", eight, True),
+        "float8_curve": check.float8_curve,
+        "speed_8b_shaped_float8": lambda: check.speed("speed-8b-f8", [*eight, *float8], False),
+        "speed_8b_shaped_float8_compile": lambda: check.speed(
+            "speed-8b-f8-compile", [*eight, *float8], True
+        ),
         "checkpoint_sync": lambda: check.checkpoint(False),
         "checkpoint_async": lambda: check.checkpoint(True),
         "titan": check.titan,  # opt-in (OPT_IN)
@@ -347,6 +390,17 @@ def _corpus(check: Check) -> list[str]:
             builder.add_document(document.astype(np.uint16), [len(document)])
         builder.finalize()
     return [f"data.path={prefix}", "data.eod_token=0", "model.vocab_size=256"]
+
+
+def _text(check: Check) -> list[str]:
+    """The example corpus (examples/docstrings.jsonl, its tokenizer), tokenized once: text a
+    model learns, where dummy data's random tokens teach only their distribution."""
+    examples = REPO / "examples"
+    return [
+        "data.type=json_file", f"data.path={examples / 'docstrings.jsonl'}",
+        f"data.tokenizer={examples / 'tokenizer.json'}", f"data.cache_dir={check.work / 'text'}",
+        "model.vocab_size=8192",
+    ]  # fmt: skip
 
 
 def run_part(name: str, part: Callable[[], dict[str, Any]], device: str) -> dict[str, Any]:

@@ -650,6 +650,8 @@ def _toml(value: object) -> str:
     """A value as TOML writes it, written here (not config.toml_value, which is under test)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(map(_toml, value)) + "]"
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
@@ -747,6 +749,7 @@ WITH_TABLE = {
     "train.batch_ramp": ["train.global_batch_size=8", "train.batch_ramp={start = 2, "
                          "increment = 2, samples = 100}"],
     "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],
+    "train.float8": ["model.ffn_hidden=128", "train.float8.recipe=rowwise"],
 }  # fmt: skip
 
 

@@ -118,3 +118,37 @@ def test_the_table_and_the_roofline():
     assert done.returncode == 0, done.stderr
     assert "on H100 SXM 80GB: step" in done.stdout and "MFU" in done.stdout
     assert "fsdp" in done.stdout  # the traffic of the one dimension there is
+
+
+def test_float8_all_gather_halves_the_converted_weights_traffic():
+    """`train.float8.fsdp_all_gather`: FSDP gathers the converted weights (every block's
+    linears; not the head, embedding or norms) a byte an element instead of bf16's two, in
+    the traffic and in the gathered blocks; without the all-gather float8 moves nothing less,
+    and activations are what they were (torchao keeps the linears' inputs in bf16)."""
+    import torch
+    from hp_runtime.model import Transformer
+    from hp_runtime.train.plan import plan
+
+    pytest.importorskip("torchao")
+    layout = [*BASE, "model.ffn_hidden=128", "parallel.dp_shard=4"]
+    float8 = [*layout, "train.float8.recipe=tensorwise"]
+    reports = [
+        plan(load_config(None, overrides), 4)
+        for overrides in (layout, float8, [*float8, "train.float8.fsdp_all_gather=true"])
+    ]
+    config = load_config(None, layout).model
+    with torch.device("meta"):
+        model = Transformer(config)
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    blocks = sum(m.weight.numel() for m in linears if m is not model.output)  # all 16-multiples
+    plain, cast_after, gathered = reports
+    micro = plain["micro_batches"]
+    saved = micro * (4 - 1) * (blocks // 4) * (2 - 1) * 2  # forward and backward gathers
+    assert cast_after["communication_bytes"] == plain["communication_bytes"]
+    assert plain["communication_bytes"]["fsdp"] - gathered["communication_bytes"]["fsdp"] == saved
+    for a, b, c in zip(*(r["rank_types"] for r in reports), strict=True):
+        assert b["float8_param_bytes"] == c["float8_param_bytes"] == 4 * blocks // 4
+        assert a["float8_param_bytes"] == 0
+        assert a["activation_bytes"] == b["activation_bytes"] == c["activation_bytes"]
+        per_block = blocks // config.n_layers
+        assert a["gathered_bytes"] - c["gathered_bytes"] == 2 * per_block * (2 - 1)

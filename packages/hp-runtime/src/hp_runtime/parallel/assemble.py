@@ -1,10 +1,12 @@
 """A rank's whole share of a parallel model, assembled in the one order that works.
 
 The protocol is order-sensitive, so it lives here once: build on meta → cut pipeline stages →
-parallelize each stage (TP → EP → CP → AC → compile → FSDP) → `to_empty` → `init_weights` (which
-re-ties) → broadcast the tied embedding from the first stage to the last → build the schedule.
-After backward, `Assembly.finish_gradients` sums the tied copies' gradients and clips, counting
-the last stage's copy out of the norm. The trainer and the parity tests both call this.
+parallelize each stage (float8 → TP → EP → CP → AC → compile → FSDP) → `to_empty` →
+`init_weights` (which re-ties) → broadcast the tied embedding from the first stage to the
+last → build the schedule. After backward, `Assembly.finish_gradients` sums the tied copies'
+gradients and clips, counting the last stage's copy out of the norm; after the optimizer
+step or a load, `Assembly.weights_changed` precomputes the float8 all-gather's scales. The trainer
+and the parity tests both call this.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.parallel.clip import clip_grad_norm
 from hp_runtime.parallel.cp import ContextParallel
+from hp_runtime.parallel.float8 import precompute_scales
 from hp_runtime.parallel.init import init_weights
 from hp_runtime.parallel.mesh import ParallelDims, data_parallel_mesh, dp_cp_mesh
-from hp_runtime.parallel.options import ParallelOptions
+from hp_runtime.parallel.options import Float8, ParallelOptions
 from hp_runtime.parallel.parallelize import parallelize
 from hp_runtime.parallel.pp import build_schedule, stage_modules
 from hp_runtime.parallel.tied import broadcast_tied, stage_groups, sync_tied_grads, tied_weight
@@ -46,6 +49,7 @@ class Assembly:
     dp_cp_mesh: DeviceMesh | None = None
     cp: ContextParallel | None = None  # context parallelism's plan: this rank's rows
     expert_mesh: DeviceMesh | None = None  # expert parallelism's (`ParallelDims.build_expert_mesh`)
+    float8: Float8 | None = None  # `train.float8`, applied in `parallelize`
 
     @property
     def stage_ids(self) -> list[int]:
@@ -110,6 +114,13 @@ class Assembly:
             sync_tied_grads(self.tied, self.tied_group)
         return clip_grad_norm(self.parameters, max_norm, self.pp_group, skip=self._last_tied_copy)
 
+    def weights_changed(self) -> None:
+        """After each optimizer step and each load of weights: the float8 all-gather's scales
+        of the new weights. Without them FSDP's float8 all-gather scales each weight by the
+        amax of the data-parallel shards alone, one scale per tp shard under TP."""
+        if self.float8 is not None and self.float8.fsdp_all_gather:
+            precompute_scales(self.modules)
+
 
 def shard_stages(
     config: ModelConfig,
@@ -117,6 +128,7 @@ def shard_stages(
     device_type: str,
     options: ParallelOptions,
     param_dtype: torch.dtype | None = None,
+    float8: Float8 | None = None,
 ) -> tuple[list[tuple[int, nn.Module]], DeviceMesh | None, DeviceMesh | None]:
     """This rank's stages of the model, parallelized but still on the meta device (no memory
     of the model's is allocated), and the meshes: the part of `assemble` that decides every
@@ -136,11 +148,17 @@ def shard_stages(
         stages = stage_modules(
             model, mesh["pp"].get_local_rank(), dims.pp, options.pp_virtual_stages
         )
-    if mesh is not None:
-        for _, module in stages:
-            parallelize(
-                module, dims, mesh, options, param_dtype=param_dtype, expert_mesh=expert_mesh
-            )
+    for _, module in stages:
+        parallelize(
+            module,
+            dims,
+            mesh,
+            options,
+            param_dtype=param_dtype,
+            expert_mesh=expert_mesh,
+            float8=float8,
+            device_type=device_type,
+        )
     return stages, mesh, expert_mesh
 
 
@@ -153,18 +171,22 @@ def assemble(
     options: ParallelOptions | None = None,
     param_dtype: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    float8: Float8 | None = None,
 ) -> Assembly:
     """Build, parallelize, materialise and initialise this rank's share of the model.
 
     Without an initialised process group `dims` must describe one process. `param_dtype` is
-    FSDP's compute dtype (see `parallelize`). Under a pipeline,
+    FSDP's compute dtype (see `parallelize`); `float8` converts the linears (`float8.py`).
+    Under a pipeline,
     `loss_fn(logits, targets)` returns a micro-batch's share of the step's loss (gradients are
     not rescaled); it is required then, and ignored otherwise.
     """
     options = options or ParallelOptions()
     if dims.pp > 1 and loss_fn is None:
         raise ValueError("a pipeline needs loss_fn: the last stage computes the loss")
-    stages, mesh, expert_mesh = shard_stages(config, dims, device.type, options, param_dtype)
+    stages, mesh, expert_mesh = shard_stages(
+        config, dims, device.type, options, param_dtype, float8
+    )
     dp_mesh = data_parallel_mesh(mesh) if mesh is not None else None
     dp_cp = dp_cp_mesh(mesh, dims) if mesh is not None else None
     total_stages = dims.pp * options.pp_virtual_stages if dims.pp > 1 else 1
@@ -185,6 +207,7 @@ def assemble(
         dp_cp_mesh=dp_cp,
         cp=ContextParallel(mesh["cp"]) if dims.cp > 1 else None,  # type: ignore[index]
         expert_mesh=expert_mesh,
+        float8=float8,
     )
     if dims.pp > 1 and config.tie_embeddings:
         assembly.tied, assembly.tied_group = tied_weight(stages), tied_group
@@ -201,4 +224,5 @@ def assemble(
         )
     # A tied pair inside one module is one parameter here, as `parameters()` yields it once.
     assembly.parameters = [p for module in assembly.modules for p in module.parameters()]
+    assembly.weights_changed()
     return assembly

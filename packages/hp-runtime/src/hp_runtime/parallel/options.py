@@ -4,6 +4,9 @@ Its fields are the trainer's `[parallel]` keys themselves: the trainer's config 
 `ParallelDims` and `ParallelOptions` together (`hp_runtime.train.config.ParallelConfig`), so a
 knob is added here, used in `parallelize` or `assemble`, and documented, and nothing copies it
 on the way. Plain values only (no torch types): the config reads and writes them as TOML.
+
+`Float8` is `train.float8`'s table: which linears run in float8 and how (`float8.py` applies
+it, first in `parallelize`).
 """
 
 from __future__ import annotations
@@ -27,3 +30,28 @@ class ParallelOptions:
     # FSDP frees each block's gathered parameters after its forward ("always") or keeps them
     # for the backward ("never": one all-gather a step instead of two, more memory).
     fsdp_reshard_after_forward: Literal["always", "never"] = "always"
+
+
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8:
+    """`train.float8 = {recipe, fsdp_all_gather, skip}`.
+
+    `recipe`: torchao's recipe name: `tensorwise` (one scale a tensor, the fastest),
+    `rowwise` (one scale a row: more accurate, a little slower), `rowwise_with_gw_hp` (rowwise
+    with the weight gradient in high precision), `mxfp8` (a scale per 32 values; Blackwell).
+    `fsdp_all_gather`: FSDP gathers the converted weights in float8 (half bf16's traffic), their
+    scales precomputed after each optimizer step; tensorwise only, and only with FSDP.
+    `round_scales_to_power_of_2`: each scale rounded down to a power of two (None: the
+    recipe's choice, which is true for the rowwise ones), so scaling is exact in binary and a
+    layout's other order of partial sums cannot move a value across a float8 rounding; not
+    with `fsdp_all_gather`, whose precomputed scales torchao does not round.
+    `skip`: module-name patterns (`fnmatch`; a pattern also matches a name's last parts, so
+    `"wo"` is every block's `attention.wo`) whose linears stay in high precision too."""
+
+    recipe: Recipe = "tensorwise"
+    fsdp_all_gather: bool = False
+    round_scales_to_power_of_2: bool | None = None
+    skip: tuple[str, ...] = ()

@@ -14,6 +14,13 @@ With `reduce_dtype` (float32 under bf16 parameters) the row-wise projections kee
 partial products in that dtype: the local matmul writes fp32, the partial sums are
 reduce-scattered in fp32 and rounded to bf16 once, after the sum, instead of rounding every
 rank's partial and then the sum. torch's `RowwiseParallel` has no such option.
+
+Under float8's tensorwise recipe the converted linears take torchao's float8 styles: their
+inputs are cast to float8 before the all-gather (once for q, k and v, once for w1 and w3),
+their output gradients before the reduce-scatter, which halves TP's activation traffic. The
+rowwise recipes keep torch's styles (torchao's float8 styles assume one scale a tensor), and so
+does gloo, which has no float8 dtype: there the linear casts after the gather, with the same
+scale (the amax of the whole gathered tensor either way).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hp_runtime.model.moe import MoE, compute_dtype
+from hp_runtime.parallel.float8 import is_float8
 
 
 class _PartialProduct(torch.autograd.Function):
@@ -91,14 +99,38 @@ def apply_tp(
     mesh: DeviceMesh,
     loss_parallel: bool = False,
     reduce_dtype: torch.dtype | None = None,
+    float8_tensorwise: bool = False,
 ) -> None:
     """Shard `model` (a hp_runtime Transformer or a pipeline stage of one) over `mesh`;
-    `reduce_dtype` reduces the row-wise projections' partial sums in that dtype."""
+    `reduce_dtype` reduces the row-wise projections' partial sums in that dtype;
+    `float8_tensorwise`: the linears converted to float8's tensorwise recipe move float8."""
 
-    def rowwise() -> RowwiseParallel:
+    def float8(*linears: nn.Module) -> bool:
+        return float8_tensorwise and all(is_float8(linear) for linear in linears)
+
+    def colwise(linear: nn.Module) -> ColwiseParallel:
+        if float8(linear):
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+            return Float8ColwiseParallel()
+        return ColwiseParallel()
+
+    def rowwise(linear: nn.Module) -> RowwiseParallel:
+        if float8(linear):
+            from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+            return Float8RowwiseParallel(output_layouts=Shard(1))
         if reduce_dtype is None:
             return RowwiseParallel(output_layouts=Shard(1))
         return RowwiseParallelReduced(output_layouts=Shard(1), reduce_dtype=reduce_dtype)
+
+    def prepare(module: nn.Module, linears: tuple[str, ...], **layouts: object) -> object:
+        """The input gathered for `linears`: in float8 when all of them are."""
+        if float8(*(module.get_submodule(name) for name in linears)):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(**layouts, fwd_config_submodule_fqn=linears[0])
+        return PrepareModuleInput(**layouts)
 
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -113,15 +145,21 @@ def apply_tp(
         )
     parallelize_module(model, mesh, top)  # type: ignore[arg-type]
     for block in model.layers.values():
-        ffn: dict[str, object] = {
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": rowwise(),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        if isinstance(block.feed_forward, MoE):  # whole on every tp rank (see above)
+        ffn: dict[str, object] = {}
+        if not isinstance(block.feed_forward, MoE):
+            dense = block.feed_forward
+            ffn = {
+                "feed_forward": prepare(
+                    dense,
+                    ("w1", "w3"),
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                ),
+                "feed_forward.w1": colwise(dense.w1),
+                "feed_forward.w2": rowwise(dense.w2),
+                "feed_forward.w3": colwise(dense.w3),
+            }
+        else:  # whole on every tp rank (see above)
             ffn = {
                 "feed_forward": PrepareModuleInputOutput(
                     input_layouts=(Shard(1),),
@@ -131,16 +169,19 @@ def apply_tp(
                     desired_output_layouts=(Shard(1),),
                 )
             }
+        attention = block.attention
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
+            "attention": prepare(
+                attention,
+                ("wq", "wk", "wv"),
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": rowwise(),
+            "attention.wq": colwise(attention.wq),
+            "attention.wk": colwise(attention.wk),
+            "attention.wv": colwise(attention.wv),
+            "attention.wo": rowwise(attention.wo),
             "ffn_norm": SequenceParallel(),
             **ffn,
         }

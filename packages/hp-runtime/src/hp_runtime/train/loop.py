@@ -193,6 +193,7 @@ class Loop:
             self.skipped_since_log.add(step)
         else:
             state.optimizer.step()
+            run.assembly.weights_changed()
             run.stepper.balance.update_bias()  # a skipped step moves no bias either
         state.optimizer.zero_grad(set_to_none=True)
         state.advance()

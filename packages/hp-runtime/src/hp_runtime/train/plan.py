@@ -16,6 +16,12 @@ share is divided by tp. A pipeline stage holds `pp - stage` micro-batches of the
 (every micro-batch under GPipe). `peak_bytes` adds FSDP's gathered blocks (the one computing
 and the one prefetched, in the compute dtype) and their unsharded gradients.
 
+`train.float8` is built in as the run builds it: the converted linears' weights are counted
+(`float8_param_bytes`, of `param_bytes`), and under `fsdp_all_gather` they are gathered in
+float8, one byte an element instead of the compute dtype's two, in the FSDP traffic and the
+gathered blocks. Activations do not change: torchao's float8 linears keep their inputs in
+high precision for the backward and cast them again there.
+
 With `--gpu`, a roofline: the step's model FLOPs at the GPU's dense bf16 peak, each dimension's
 communication at its link's bandwidth (inside a node for a group that fits in one, else the
 network), FSDP and context-parallel traffic overlapped with compute, tensor-parallel and expert
@@ -78,6 +84,7 @@ class RankType:
     in_flight: int  # micro-batches of activations held at once
     gathered_bytes: int  # FSDP's unsharded blocks and their gradients, at their peak
     peak_bytes: int
+    float8_param_bytes: int = 0  # of param_bytes: the weights `train.float8` converts
 
     def json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -87,18 +94,42 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _state_bytes(modules: list[nn.Module], optim: Any) -> tuple[int, int, int, int]:
-    """(params, grads, optimizer state) bytes of this rank's shards, and the largest block's
-    local (TP-sharded, FSDP-unsharded) parameter count."""
+@dataclass(frozen=True)
+class _State:
+    """A rank's state bytes, and what FSDP gathers of its largest block (elements)."""
+
+    params: int
+    grads: int
+    optim: int
+    float8_params: int  # of params: the converted linears' weights
+    block: int  # the largest block's local (TP-sharded, FSDP-unsharded) parameter count
+    block_float8: int  # of block: the converted weights' elements
+
+
+def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
     params = [p for m in modules for p in m.parameters()]
     numel = sum(_local(p).numel() for p in params)
     moments = {"adamw": 2, "sgd": 1 if optim.momentum else 0}[optim.name]
     steps = len(params) * 4 if optim.name == "adamw" else 0  # a float32 step a tensor
-    block = 0
+    converted = _float8_weights(modules) if float8 else set()
+    block = block_float8 = 0
     for m in modules:
         for layer in m.layers.values():
-            block = max(block, sum(_full_local(p) for p in layer.parameters()))
-    return numel * 4, numel * 4, numel * 4 * moments + steps, block
+            size = sum(_full_local(p) for p in layer.parameters())
+            if size > block:
+                block = size
+                block_float8 = sum(_full_local(p) for p in layer.parameters() if p in converted)
+    float8 = sum(_local(p).numel() for p in converted)
+    return _State(
+        numel * 4, numel * 4, numel * 4 * moments + steps, float8 * 4, block, block_float8
+    )
+
+
+def _float8_weights(modules: list[nn.Module]) -> set[nn.Parameter]:
+    """The weights of the linears `train.float8` converted (none without it)."""
+    from hp_runtime.parallel.float8 import is_float8
+
+    return {m.weight for root in modules for m in root.modules() if is_float8(m)}
 
 
 def _full_local(p: torch.Tensor) -> int:
@@ -244,9 +275,10 @@ def rank_type(
     try:
         p = config.parallel
         param_dtype = torch.bfloat16 if config.train.mixed_precision != "fp32" else None
-        stages, mesh, _ = shard_stages(config.model, dims, "cpu", p, param_dtype)
+        float8 = config.train.float8
+        stages, mesh, _ = shard_stages(config.model, dims, "cpu", p, param_dtype, float8)
         modules = [module for _, module in stages]
-        params, grads, optim, block = _state_bytes(modules, config.optim)
+        state = _state_bytes(modules, config.optim, float8 is not None)
         stage = mesh["pp"].get_local_rank() if dims.pp > 1 else 0  # type: ignore[index]
     finally:
         dist.destroy_process_group()
@@ -259,10 +291,12 @@ def rank_type(
     compute = 2 if param_dtype is not None else 4
     gathered = 0
     if dims.dp_cp_size > 1:  # a block gathered, the next prefetched, and one's gradients
-        gathered = block * (2 * compute + 4)
-    peak = params + grads + optim + in_flight * activation + gathered
-    return RankType([rank], stage, layers, params, grads, optim, activation, in_flight,
-                    gathered, peak)  # fmt: skip
+        gathered = state.block * (2 * compute + 4)
+        if float8 is not None and float8.fsdp_all_gather:  # the converted gathered in float8
+            gathered -= state.block_float8 * 2 * (compute - 1)
+    peak = state.params + state.grads + state.optim + in_flight * activation + gathered
+    return RankType([rank], stage, layers, state.params, state.grads, state.optim, activation,
+                    in_flight, gathered, peak, state.float8_params)  # fmt: skip
 
 
 def representatives(config: Config, dims: ParallelDims, world: int) -> list[int]:
@@ -342,6 +376,10 @@ def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> 
     f = dims.dp_shard * dims.cp
     if f > 1:  # per micro-batch: gather forward and backward, reduce-scatter the gradients
         out["fsdp"] = int(micro * shard * (f - 1) * (2 * compute + 4))
+        float8 = config.train.float8
+        if float8 is not None and float8.fsdp_all_gather:  # those gathered a byte an element
+            converted = max(tt.float8_param_bytes for tt in types) // 4
+            out["fsdp"] -= int(micro * converted * (f - 1) * 2 * (compute - 1))
     if dims.dp_replicate > 1:
         r = dims.dp_replicate
         out["dp_replicate"] = int(2 * (r - 1) / r * shard * 4)

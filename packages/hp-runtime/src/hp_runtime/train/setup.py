@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -16,10 +17,12 @@ import torch
 from hp_data.fs import write_text
 from hp_data.phases import PhasedDataset, PhasePlan
 from hp_data.redact import redact_data
+from torch import nn
 
 from hp_runtime import __version__
-from hp_runtime.model import ModelConfig
+from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.parallel import Assembly, assemble
+from hp_runtime.parallel.float8 import high_precision
 from hp_runtime.train.batch import BatchPlan, batch_plan, phase_starts
 from hp_runtime.train.checkpoint import Checkpointer
 from hp_runtime.train.checkpoint_format import CheckpointError, read_meta
@@ -90,7 +93,30 @@ def build_assembly(
         options=parallel,
         param_dtype=param_dtype,
         loss_fn=loss_fn,
+        float8=config.train.float8,
     )
+
+
+def float8_line(config: Config, compute: torch.dtype) -> str:
+    """The start-up line of `train.float8`: what runs in float8 and what does not, and why."""
+    float8 = config.train.float8
+    assert float8 is not None
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    kept = high_precision(model, float8, config.parallel.tp)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    reasons = Counter(why.split(", ")[-1] for why in kept.values())
+    text = "; ".join(f"{why} ({count})" for why, count in reasons.items())
+    line = (
+        f"hp-train: float8 ({float8.recipe}): {linears - len(kept)} of {linears} linears; "
+        f"kept in {str(compute).removeprefix('torch.')}: {text or 'none'}"
+    )
+    if config.model.moe is not None:
+        line += (
+            "; the routed experts stay in the compute dtype too (hp does not run torchao's "
+            "grouped float8 matmuls yet)"
+        )
+    return line
 
 
 def write_config(text: str, run_dir: str) -> None:
@@ -251,6 +277,7 @@ class Setup:
         state = self.train_state(assembly, plan, datasets)
         checkpointer.clean()
         resumed = self.resume_or_init(checkpointer, candidates, state, datasets, assembly)
+        assembly.weights_changed()  # a checkpoint's or Hugging Face's weights
         self.record_start(checkpointer, resumed, state, datasets.train)
         loader, valid_loader = self.loaders(datasets, plan, assembly, state, reads)
         stepper = Stepper(
@@ -323,6 +350,8 @@ class Setup:
             )
         agree(failure, runtime)
         assert assembly is not None
+        if self.t.float8 is not None:
+            self.say(float8_line(config, param_dtype or autocast_dtype or torch.float32))
         return assembly, loss_fn, autocast_dtype
 
     def train_state(self, assembly: Assembly, plan: BatchPlan, datasets: Datasets) -> TrainState:

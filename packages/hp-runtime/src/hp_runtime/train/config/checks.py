@@ -55,6 +55,45 @@ def check(config: Config) -> None:
     check_profile(config.metrics)
     check_moe(config)
     check_phases(config)
+    check_float8(config)
+
+
+def check_float8(config: Config) -> None:
+    """`train.float8` against the layout and the other keys (`parallel/float8.py`)."""
+    float8, p = config.train.float8, config.parallel
+    if float8 is None:
+        return
+    if float8.fsdp_all_gather and float8.recipe != "tensorwise":
+        raise ConfigError(
+            f"train.float8.fsdp_all_gather = true needs recipe = 'tensorwise' (torchao gathers "
+            f"one scale a tensor), not {float8.recipe!r}: set fsdp_all_gather = false"
+        )
+    if float8.fsdp_all_gather and p.dp_shard * p.cp == 1:
+        raise ConfigError(
+            "train.float8.fsdp_all_gather = true needs FSDP, and parallel.dp_shard x cp = 1 "
+            "shards no weight: set it false, or parallel.dp_shard > 1"
+        )
+    if float8.fsdp_all_gather and float8.round_scales_to_power_of_2:
+        raise ConfigError(
+            "train.float8.round_scales_to_power_of_2 = true cannot go with fsdp_all_gather = "
+            "true (torchao precomputes the all-gather's scales unrounded): set one false"
+        )
+    if float8.recipe == "mxfp8" and float8.round_scales_to_power_of_2 is False:
+        raise ConfigError(
+            "train.float8.round_scales_to_power_of_2 = false: mxfp8's scales are powers of two "
+            "by its format; leave the key unset"
+        )
+    if float8.recipe == "mxfp8" and p.tp > 1:
+        raise ConfigError(
+            "train.float8.recipe = 'mxfp8' cannot go with parallel.tp > 1 yet (torchao's MX "
+            "linears do not train under TP as on one process): use 'tensorwise' or 'rowwise', "
+            "or parallel.tp = 1"
+        )
+    if p.tp_reduce_dtype is not None and p.tp > 1:
+        raise ConfigError(
+            "parallel.tp_reduce_dtype replaces the row-wise linears' matmul, which train.float8 "
+            "converts: leave parallel.tp_reduce_dtype unset with train.float8"
+        )
 
 
 def check_length(key: str, length: int, config: Config) -> None:
@@ -163,6 +202,8 @@ def check_layout(config: Config, world_size: int, device_type: str) -> None:
         raise ConfigError("parallel.loss_parallel needs parallel.tp > 1")
     if p.pp == 1 and p.pp_virtual_stages > 1:
         raise ConfigError("parallel.pp_virtual_stages > 1 needs parallel.pp > 1")
+    if config.train.float8 is not None:
+        check_float8_here(config, device_type)
     if config.model.attention == "flex" and device_type == "cpu":
         import torch  # here: loading a config needs no torch
 
@@ -170,3 +211,36 @@ def check_layout(config: Config, world_size: int, device_type: str) -> None:
             f"model.attention = 'flex' cannot train on the CPU (torch {torch.__version__} has "
             f"FlexAttention's forward only there): use 'auto' or 'segments'"
         )
+
+
+def check_float8_here(config: Config, device_type: str) -> None:
+    """What `train.float8` needs of this machine: torchao, skip patterns that name linears of
+    this model, and a GPU whose matmuls take the recipe's format."""
+    import torch  # here: loading a config needs no torch
+
+    float8 = config.train.float8
+    assert float8 is not None
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ConfigError("train.float8 needs torchao: pip install 'hp-runtime[float8]'") from None
+    from hp_runtime.model import Transformer
+    from hp_runtime.parallel.float8 import CAPABILITY, unmatched_patterns
+
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    unmatched = unmatched_patterns(model, float8.skip)
+    if unmatched:
+        raise ConfigError(
+            f"train.float8.skip: {unmatched[0]!r} matches no linear of this model (names such "
+            "as 'layers.0.attention.wq', 'feed_forward.w2', 'wo'; `fnmatch` patterns)"
+        )
+    if device_type == "cuda":
+        have, need = torch.cuda.get_device_capability(), CAPABILITY[float8.recipe]
+        if have < need:
+            raise ConfigError(
+                f"train.float8.recipe = {float8.recipe!r} needs a GPU of compute capability "
+                f"{need[0]}.{need[1]} or newer ({'Blackwell' if need[0] >= 10 else 'Ada, Hopper'}"
+                f"); this {torch.cuda.get_device_name()} is {have[0]}.{have[1]}: "
+                "use another recipe, or leave train.float8 unset"
+            )

@@ -44,9 +44,15 @@ def _parse_override(text: str, kind: Any) -> Any:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    if isinstance(value, list) and _takes_list(kind):  # `train.float8.skip=["wo"]`
+        return value
     if _takes_str(kind) and not isinstance(value, str):
         return text
     return value
+
+
+def _takes_list(kind: Any) -> bool:
+    return typing.get_origin(kind) is tuple or any(map(_takes_list, typing.get_args(kind)))
 
 
 @dataclass(frozen=True)

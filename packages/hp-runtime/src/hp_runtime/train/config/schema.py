@@ -14,7 +14,7 @@ from hp_data.registry import DATASET_REGISTRY, DatasetConfig
 
 from hp_runtime.model.config import CHUNK_TOKENS, PRESETS, FieldError, ModelConfig
 from hp_runtime.parallel.mesh import ParallelDims
-from hp_runtime.parallel.options import ParallelOptions
+from hp_runtime.parallel.options import Float8, ParallelOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +113,7 @@ class TrainConfig:
     hang_timeout_s: float = 0.0  # a step this slow stops the job (train/watchdog.py); 0: auto
     collective_timeout_s: float = 600.0  # a collective waiting this long fails the job
     loss_chunk_tokens: int = CHUNK_TOKENS  # the head's logits this many at a time; 0: all
+    float8: Float8 | None = None  # float8 linears (hp-runtime[float8]); none: the compute dtype
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,11 +74,18 @@ def _type_name(kind: Any) -> str:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(kind))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(kind))
+    if origin is tuple and typing.get_args(kind)[1:] == (Ellipsis,):
+        return f"a list of {_plural(_type_name(typing.get_args(kind)[0]))}"
     if origin is tuple:
         parts = typing.get_args(kind)
         return f"a list of {len(parts)} (" + ", ".join(map(_type_name, parts)) + ")"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return names.get(kind, "nothing") if kind is not type(None) else "none"
+
+
+def _plural(name: str) -> str:
+    """ "a string" -> "strings"."""
+    return name.removeprefix("a ").removeprefix("an ") + "s"
 
 
 def _coerce(value: Any, kind: Any) -> Any:
@@ -98,6 +105,10 @@ def _coerce(value: Any, kind: Any) -> Any:
     if origin is Literal:
         if value in typing.get_args(kind):
             return value
+        raise TypeError
+    if origin is tuple and typing.get_args(kind)[1:] == (Ellipsis,):  # a list of any length
+        if isinstance(value, list | tuple):
+            return tuple(_coerce(v, typing.get_args(kind)[0]) for v in value)
         raise TypeError
     if origin is tuple:  # a fixed-length list: `metrics.profile_steps = [10, 3]`
         parts = typing.get_args(kind)

@@ -1,0 +1,137 @@
+"""`train.float8` through hp-train: bad tables refused in one line; the scales of the float8
+all-gather kept fresh after every step; a float8 run resumes without float8 and the other way
+round (the checkpoint holds the fp32 masters only); the float8 loss curve follows fp32's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers.train import FAST, corpus_overrides, hp_train_here, records, train_ranks
+
+pytest.importorskip("torchao")
+
+# tiny with a feed-forward float8 can take (its own 172 is not a multiple of 16)
+BASE = [
+    *FAST, "data.type=dummy", "data.seq_length=32", "model.ffn_hidden=128",
+    "train.micro_batch_size=2", "train.global_batch_size=4", "optim.lr=1e-2",
+    "optim.warmup_steps=0", "optim.decay_style=constant", "train.eval_interval=0",
+    "checkpoint.interval=3",
+]  # fmt: skip
+TENSORWISE = "train.float8.recipe=tensorwise"
+
+BAD = {
+    "unknown recipe": (["train.float8.recipe=fp4"], "train.float8.recipe"),
+    "recipe of another type": (["train.float8.recipe=8"], "train.float8.recipe"),
+    "not a table": (["train.float8=3"], "train.float8"),
+    "unknown field": (["train.float8.scaling=dynamic"], "train.float8.scaling"),
+    "all-gather not a bool": (["train.float8.fsdp_all_gather=1"], "train.float8.fsdp_all_gather"),
+    "all-gather without FSDP": (["train.float8.fsdp_all_gather=true"], "parallel.dp_shard"),
+    "all-gather rowwise": (
+        ["train.float8.recipe=rowwise", "train.float8.fsdp_all_gather=true", "parallel.dp_shard=2"],
+        "train.float8.fsdp_all_gather",
+    ),
+    "all-gather power-of-2": (
+        [
+            "train.float8.fsdp_all_gather=true",
+            "train.float8.round_scales_to_power_of_2=true",
+            "parallel.dp_shard=2",
+        ],
+        "train.float8.round_scales_to_power_of_2",
+    ),
+    "power-of-2 not a bool": (
+        ["train.float8.round_scales_to_power_of_2=yes"],
+        "train.float8.round_scales_to_power_of_2",
+    ),
+    "mxfp8 unrounded": (
+        ["train.float8.recipe=mxfp8", "train.float8.round_scales_to_power_of_2=false"],
+        "train.float8.round_scales_to_power_of_2",
+    ),
+    "mxfp8 under TP": (["train.float8.recipe=mxfp8", "parallel.tp=2"], "parallel.tp"),
+    "skip matching nothing": (['train.float8.skip=["wq", "attention.wz"]'], "'attention.wz'"),
+    "skip not a list": (["train.float8.skip=wo"], "train.float8.skip"),
+    "skip of numbers": (["train.float8.skip=[1]"], "train.float8.skip"),
+    "tp_reduce_dtype": (
+        [TENSORWISE, "parallel.tp=2", "parallel.tp_reduce_dtype=float32"],
+        "parallel.tp_reduce_dtype",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_float8_table_is_refused_in_one_line(case, tmp_path):
+    overrides, named = BAD[case]
+    run = tmp_path / "run"
+    done = hp_train_here(*BASE, "train.steps=1", f"train.run_dir={run}", *overrides)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hp-train: error: "), done.stderr
+    assert named in lines[0] and "Traceback" not in done.stderr
+    assert not run.exists()  # refused before the run directory is made
+
+
+def _run(run_dir, *overrides: str) -> list[tuple[float, float]]:
+    done = hp_train_here(*BASE, f"train.run_dir={run_dir}", *overrides)
+    assert done.returncode == 0, done.stderr
+    return [(r["loss"], r["grad_norm"]) for r in records(run_dir)]
+
+
+@pytest.mark.parametrize(
+    "before, after", [(True, True), (True, False), (False, True)],
+    ids=["float8-float8", "float8-fp32", "fp32-float8"],
+)  # fmt: skip
+def test_a_float8_run_resumes_with_or_without_float8(tmp_path, before, after):
+    """Stopped at step 3 and resumed to 6: float8 throughout resumes bit-exactly (torchao's
+    dynamic scales keep no state); switched on or off at the resume, the first 3 steps are
+    the first run's and the next 3 are close to the uninterrupted run's but not equal to
+    them (float8's rounding came or went), so the switch took effect."""
+    keys = {True: [TENSORWISE], False: []}
+    whole = _run(tmp_path / "whole", "train.steps=6", *keys[before])
+    run = tmp_path / "run"
+    first = _run(run, "train.steps=3", *keys[before])
+    resumed = _run(run, "train.steps=6", *keys[after])
+    assert len(resumed) == 6 and resumed[:3] == first == whole[:3]
+    if before == after:
+        assert resumed == whole
+    else:
+        assert resumed[3:] != whole[3:]
+        np.testing.assert_allclose(resumed[3:], whole[3:], rtol=5e-2)
+
+
+@pytest.mark.slow
+def test_the_all_gathers_scales_follow_each_step():
+    """FSDP 2 gathering the weights in float8 trains as gathering them in fp32 and casting
+    after: the all-gather's scales are recomputed from each step's new weights
+    (`Assembly.weights_changed`); stale ones would cast with the last step's amax."""
+    layout = [*BASE, "train.steps=5", "checkpoint.interval=0", "parallel.dp_shard=2", TENSORWISE]
+    runs = [
+        train_ranks(2, [*layout, f"train.float8.fsdp_all_gather={gather}"])[0]
+        for gather in ("true", "false")
+    ]
+    assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[0]["grad_norms"] == runs[1]["grad_norms"]
+
+
+@pytest.mark.slow
+def test_the_float8_curve_follows_fp32s(example_corpus, example_tokenizer, tmp_path):
+    """100 steps of examples/train_tiny.toml's model and optimizer on the example corpus
+    (its feed-forward 128 wide, so that float8 converts it): float8's loss within 2% of
+    fp32's at every logged step, and still learning."""
+    tiny = [
+        *corpus_overrides(example_corpus, example_tokenizer, tmp_path / "cache"),
+        "data.seq_length=128", "model.max_seq_len=128", "train.micro_batch_size=8",
+        "train.global_batch_size=16", "optim.lr=1e-2", "optim.min_lr=1e-3",
+        "optim.warmup_steps=20", "optim.decay_style=cosine", "train.steps=100",
+        "train.eval_interval=0", "checkpoint.interval=0", "metrics.log_interval=10",
+        "model.ffn_hidden=128",
+    ]  # fmt: skip
+    curves = []
+    for float8 in ([], [TENSORWISE]):
+        run = tmp_path / f"run{len(curves)}"
+        done = hp_train_here(*FAST, *tiny, f"train.run_dir={run}", *float8)
+        assert done.returncode == 0, done.stderr
+        curves.append(np.array([r["loss"] for r in records(run)]))
+    fp32, float8 = curves
+    assert len(fp32) == 10 and fp32[-1] < fp32[0] - 1.0
+    assert not np.array_equal(fp32, float8)
+    np.testing.assert_allclose(float8, fp32, rtol=2e-2)
