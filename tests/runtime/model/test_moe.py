@@ -74,7 +74,8 @@ def per_token(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         choice = [s + float(b) for s, b in zip(scores, bias, strict=True)]
         if moe.load_balance != "bias":
             choice = scores
-        chosen = sorted(range(moe.experts), key=lambda e: (-choice[e], e))[: moe.top_k]
+        allowed = _best_groups(moe, choice)
+        chosen = sorted(allowed, key=lambda e: (-choice[e], e))[: moe.top_k]
         weights = [scores[e] for e in chosen]
         if moe.renormalize:
             weights = [w / sum(weights) for w in weights]
@@ -88,6 +89,20 @@ def per_token(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outs)
 
 
+def _best_groups(moe: MoEConfig, choice: list[float]) -> list[int]:
+    """The experts of the token's best `topk_groups` groups (DeepSeek-V3, section 2.1.2 and
+    its reference code: a group ranked by the sum of its two best scores; DeepSeek-V2's
+    `group_limited_greedy`: by its best), ties to the lower group."""
+    size = moe.experts // moe.groups
+    members = [list(range(g * size, (g + 1) * size)) for g in range(moe.groups)]
+    if moe.router == "sigmoid":
+        rank = [sum(sorted((choice[e] for e in group), reverse=True)[:2]) for group in members]
+    else:
+        rank = [max(choice[e] for e in group) for group in members]
+    best = sorted(range(moe.groups), key=lambda g: (-rank[g], g))[: moe.topk_groups]
+    return sorted(e for g in best for e in members[g])
+
+
 ROUTERS = {
     "mixtral": {},  # softmax, top-k renormalised
     "olmoe": {"renormalize": False, "top_k": 3},
@@ -99,6 +114,16 @@ ROUTERS = {
         "shared_experts": 2,
     },
     "sigmoid-raw": {"router": "sigmoid", "renormalize": False},
+    "deepseek-v3-groups": {
+        "router": "sigmoid",
+        "route_scale": 2.5,
+        "load_balance": "bias",
+        "shared_experts": 1,
+        "groups": 4,
+        "topk_groups": 2,
+        "top_k": 3,
+    },
+    "deepseek-v2-groups": {"groups": 4, "topk_groups": 1},
 }
 
 
@@ -119,6 +144,48 @@ def test_layer_equals_the_per_token_reference(name):
         layer.router.expert_bias.zero_()
         _, without, _ = layer.router(x.double())
         assert not torch.equal(with_bias, without)
+    if layer.moe.topk_groups < layer.moe.groups:  # the groups did change some token's experts
+        _, limited, _ = layer.router(x)
+        layer.router.moe = replace(layer.moe, topk_groups=layer.moe.groups)
+        _, free, _ = layer.router(x)
+        assert not torch.equal(limited, free)
+
+
+@pytest.mark.parametrize("version", ["v3", "v2"])
+def test_group_limited_routing_equals_transformers_deepseek(version):
+    """hp's router against transformers' own: DeepseekV3TopkRouter (sigmoid, the bias, a
+    group's two best) and DeepSeek-V2's `group_limited_greedy` (softmax, a group's best), with
+    the same weights: the same experts and weights for every token."""
+    transformers = pytest.importorskip("transformers")
+    sigmoid = version == "v3"
+    moe = {"groups": 4, "topk_groups": 2, "top_k": 3, "route_scale": 2.5, "renormalize": sigmoid}
+    if sigmoid:
+        moe |= {"router": "sigmoid", "load_balance": "bias", "shared_experts": 1}
+    layer = make_layer(**moe)
+    if sigmoid:
+        layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, EXPERTS).flip(0))
+    fields = {"hidden_size": DIM, "n_routed_experts": EXPERTS, "num_experts_per_tok": 3,
+              "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}  # fmt: skip
+    if sigmoid:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        theirs = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**fields, norm_topk_prob=True))
+        theirs.e_score_correction_bias.copy_(layer.router.expert_bias)
+    else:  # DeepSeek-V2 weighs by the k probabilities as they are
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        config = transformers.DeepseekV2Config(**fields, topk_method="group_limited_greedy")
+        theirs = DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+        theirs.weight.copy_(layer.router.gate.weight)
+        x = tokens(64)
+        weights, experts, _ = layer.router(x)
+        _, their_weights, their_experts = theirs(x)
+    order = their_experts.sort(dim=-1)
+    assert torch.equal(experts.sort(dim=-1).values, order.values)
+    mine = weights.gather(-1, experts.sort(dim=-1).indices)
+    torch.testing.assert_close(mine, their_weights.gather(-1, order.indices), rtol=1e-6, atol=0)
+    assert len(set(experts.flatten().tolist())) == EXPERTS  # every expert chosen somewhere
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
@@ -470,3 +537,18 @@ def test_head_dim_follows_dim_unless_given():
     assert preset("moe-tiny", dim=128).head_size == 32  # the derived width follows dim
     assert preset("qwen3-moe-30b-a3b", dim=1024).head_size == 128  # a given one stays
     assert replace(preset("tiny"), n_heads=8).head_size == 8
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"groups": 3}, "groups=3 must divide experts=8"),
+        ({"groups": 0}, "groups=0 must be an integer of at least 1"),
+        ({"groups": 2, "topk_groups": 3}, "topk_groups=3 is more than groups=2"),
+        ({"groups": 4, "topk_groups": 1, "top_k": 4}, "topk_groups=1 keeps 2 experts"),
+        ({"groups": 8, "topk_groups": 8, "router": "sigmoid"}, "groups=8 leaves 1 expert"),
+    ],
+)
+def test_group_fields_that_cannot_route_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**{"experts": 8, "top_k": 2, "expert_ffn_hidden": 16, **fields})

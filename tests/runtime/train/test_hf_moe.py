@@ -26,14 +26,15 @@ TINY = {
     "ffn_hidden": 48, "max_seq_len": 32,
 }  # fmt: skip
 # Each family's hp config, exercising what it can say: renormalised or not, dense first
-# layers, shared experts, a routing scale, the balancing bias.
+# layers, shared experts, a routing scale, the balancing bias, group-limited routing.
 HP = {
     "mixtral": {"moe": MoEConfig(4, 2, 16)},
     "qwen3_moe": {"qk_norm": True, "moe": MoEConfig(4, 2, 16, renormalize=False,
                                                     first_dense_layers=1)},
-    "dots1": {"qk_norm": True, "moe": MoEConfig(4, 2, 16, shared_experts=2, router="sigmoid",
+    "dots1": {"qk_norm": True, "moe": MoEConfig(8, 2, 16, shared_experts=2, router="sigmoid",
                                                 route_scale=2.5, first_dense_layers=1,
-                                                load_balance="bias")},
+                                                load_balance="bias", groups=4,
+                                                topk_groups=2)},
     "glm4_moe": {"moe": MoEConfig(4, 2, 16, shared_experts=1, router="sigmoid",
                                   renormalize=False)},
     "qwen3": {"qk_norm": True},
@@ -57,7 +58,8 @@ HF = {
                                      "norm_topk_prob": False, "mlp_only_layers": [0],
                                      "head_dim": 8}),
     "dots1": ("Dots1Config", {"intermediate_size": 48, "moe_intermediate_size": 16,
-                              "n_routed_experts": 4, "num_experts_per_tok": 2,
+                              "n_routed_experts": 8, "num_experts_per_tok": 2,
+                              "n_group": 4, "topk_group": 2,
                               "n_shared_experts": 2, "routed_scaling_factor": 2.5,
                               "first_k_dense_replace": 1, "norm_topk_prob": True}),
     "glm4_moe": ("Glm4MoeConfig", {"intermediate_size": 48, "moe_intermediate_size": 16,
@@ -387,8 +389,8 @@ NOT = "is not supported; "
          "is not a field hp's Qwen3-MoE implements; hp loads plain Qwen3-MoE models only"),
         ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size is missing; an HF "
          "Qwen3-MoE config.json gives it"),
-        ("dots1", {"n_group": 2}, f"n_group=2 with topk_group=1 {NOT[:-2]}; hp routes over all "
-         "the experts (group-limited routing needs topk_group = n_group)"),
+        ("dots1", {"n_group": 3}, "n_group=3 must divide experts=8"),
+        ("dots1", {"topk_group": 5}, "topk_group=5 is more than groups=4"),
         ("dots1", {"routed_scaling_factor": -1}, "routed_scaling_factor=-1 must be a positive "
          "number"),
         ("dots1", {"n_shared_experts": 0}, "n_shared_experts=0 must be a positive integer"),
@@ -452,7 +454,8 @@ def test_init_from_refuses_a_moe_config_hp_cannot_represent(
          "Qwen3, the config model.moe={experts = 4, "
          "top_k = 2, expert_ffn_hidden = 16, shared_experts = 0, router = \"softmax\", "
          "renormalize = true, route_scale = 1.0, first_dense_layers = 0, load_balance = "
-         '"aux_loss", aux_loss_coef = 0.01, bias_update_rate = 0.001}; set model.moe = "none"'),
+         '"aux_loss", aux_loss_coef = 0.01, bias_update_rate = 0.001, groups = 1, '
+         'topk_groups = 1}; set model.moe = "none"'),
     ],
 )  # fmt: skip
 def test_init_from_names_the_key_that_differs(hf_dirs, family, config, message):
@@ -494,22 +497,22 @@ def test_init_from_takes_every_expert_tensor_or_refuses_by_name(hf_dirs, tmp_pat
         return None
 
     assert init(weights) is None
-    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    expert = "model.layers.1.mlp.experts.7.up_proj.weight"
     prefix = f"model.init_from: {directory}"
     assert init({k: v for k, v in weights.items() if k != expert}) == (
         f"{prefix} has no tensor {expert}"
     )
-    fifth = {"model.layers.1.mlp.experts.4.up_proj.weight": weights[expert].clone()}
-    assert init({**weights, **fifth}) == (
+    ninth = {"model.layers.1.mlp.experts.8.up_proj.weight": weights[expert].clone()}
+    assert init({**weights, **ninth}) == (
         f"{prefix} has tensors hp's Dots1 has no place for: "
-        "model.layers.1.mlp.experts.4.up_proj.weight"
+        "model.layers.1.mlp.experts.8.up_proj.weight"
     )
     narrow = {**weights, expert: weights[expert][:8]}
     assert init(narrow) == (
         f"model.init_from: {expert} has shape [8, 32], the model's "
         "layers.1.feed_forward.experts.w3 one expert's [16, 32]"
     )
-    fused = {"model.layers.1.mlp.experts.down_proj": torch.zeros(4, 32, 16)}  # both layouts
+    fused = {"model.layers.1.mlp.experts.down_proj": torch.zeros(8, 32, 16)}  # both layouts
     message = init({**weights, **fused})
     assert message.startswith(f"{prefix} has tensors hp's Dots1 has no place for: ")
     assert "model.layers.1.mlp.experts.0.down_proj.weight" in message
@@ -519,7 +522,7 @@ def test_init_from_takes_every_expert_tensor_or_refuses_by_name(hf_dirs, tmp_pat
         f"{prefix} has a {bias} that is not zero, and the config's model.moe.load_balance = "
         '"aux_loss" chooses experts without it; set model.moe.load_balance = "bias"'
     )
-    assert init({**weights, bias: torch.zeros(4)}, aux) is None
+    assert init({**weights, bias: torch.zeros(8)}, aux) is None
 
 
 @pytest.mark.parametrize(
@@ -538,6 +541,9 @@ def test_init_from_takes_every_expert_tensor_or_refuses_by_name(hf_dirs, tmp_pat
         (_moe("qwen3_moe", load_balance="bias"), 'model.moe.load_balance = "bias" with router = '
          '"softmax" is in no transformers family: the bias chose the experts, and Qwen3-MoE has '
          "none"),
+        (_moe("mixtral", experts=8, groups=4, topk_groups=2), "model.moe.topk_groups = 2 of "
+         'groups = 4 with router = "softmax" is in no transformers family hp writes '
+         "(DeepSeek-V2's routing); router = \"sigmoid\" exports it (Dots1, GLM-4-MoE)"),
         (_moe("dots1", shared_experts=0), 'model.moe.shared_experts = 0 with router = "sigmoid" '
          "is in no transformers family (Dots1 and GLM-4-MoE, DeepSeek-V3's routing with hp's "
          "attention, always have shared experts)"),

@@ -261,6 +261,7 @@ def test_a_stopped_run_resumes_the_bias_bit_for_bit(tmp_path):
         (MOE, {**MOE, "top_k": 1}, "model.moe = {experts = 4, top_k = 1, "),
         (MOE, {**MOE, "router": "sigmoid"}, "but CKPT was trained with {experts = 4, top_k = 2"),
         (MOE, {**MOE, "aux_loss_coef": 0.5, "bias_update_rate": 0.1}, None),  # the rates
+        (MOE, {**MOE, "groups": 2, "topk_groups": 1}, "groups = 2, topk_groups = 1}"),
         (MOE, MOE, None),
     ],
 )
@@ -280,3 +281,22 @@ def test_a_checkpoint_resumes_only_its_moe_model(saved, now, message):
     with pytest.raises(CheckpointError) as info:
         check_model("CKPT", meta, config(now).model)
     assert message in str(info.value) and "set model.moe = " in str(info.value)
+
+
+def test_a_checkpoint_from_before_the_group_fields_resumes():
+    """A checkpoint written by an hp before `model.moe.groups` and `topk_groups` routed over
+    every expert: it resumes with their defaults (which do that), and not with groups."""
+    from hp_runtime.train.checkpoint_format import CheckpointError
+    from hp_runtime.train.compat import check_model
+    from hp_runtime.train.config import load_config, to_toml
+
+    def config(moe: dict[str, Any]) -> Any:
+        table = f"model.moe={_inline(moe)}"
+        return load_config(None, ["data.type=dummy", "data.seq_length=16", "train.steps=1", table])
+
+    text = to_toml(config(MOE))
+    old = text.replace(", groups = 1, topk_groups = 1", "")
+    assert old != text
+    check_model("CKPT", {"config": old}, config(MOE).model)
+    with pytest.raises(CheckpointError, match="groups = 2"):
+        check_model("CKPT", {"config": old}, config({**MOE, "groups": 2}).model)

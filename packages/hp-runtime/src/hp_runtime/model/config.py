@@ -81,7 +81,14 @@ class MoEConfig:
     sum over the MoE layers, added to the training loss. `"bias"`: DeepSeek-V3's
     auxiliary-loss-free balancing: a per-expert bias, added to the scores only to choose the
     experts, moved by `bias_update_rate` after each step towards the mean global load.
-    The first `first_dense_layers` layers keep the dense feed-forward (`ffn_hidden`)."""
+    The first `first_dense_layers` layers keep the dense feed-forward (`ffn_hidden`).
+
+    Group-limited routing (DeepSeek-V3's node-limited routing; DeepSeek-V2's
+    `group_limited_greedy`): the experts are `groups` equal groups in index order; each token
+    ranks the groups and chooses its top-k only among the experts of its best `topk_groups`.
+    A group's rank: the sum of its two best scores (sigmoid router; with the balancing bias
+    where it chooses), or its best score (softmax). `groups = topk_groups` (the default, 1)
+    routes over every expert."""
 
     experts: int
     top_k: int
@@ -94,9 +101,11 @@ class MoEConfig:
     load_balance: LoadBalance = "aux_loss"
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 1e-3
+    groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("experts", "top_k", "expert_ffn_hidden"):
+        for name in ("experts", "top_k", "expert_ffn_hidden", "groups", "topk_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FieldError(name, value, "must be an integer of at least 1")
@@ -117,6 +126,28 @@ class MoEConfig:
                 raise FieldError(name, getattr(self, name), "must be a number of at least 0")
         if self.route_scale == 0:
             raise FieldError("route_scale", self.route_scale, "must be more than 0")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if self.experts % self.groups:
+            raise FieldError("groups", self.groups, f"must divide experts={self.experts}")
+        if self.topk_groups > self.groups:
+            raise FieldError("topk_groups", self.topk_groups, f"is more than groups={self.groups}")
+        per_group = self.experts // self.groups
+        if self.top_k > self.topk_groups * per_group:
+            raise FieldError(
+                "topk_groups",
+                self.topk_groups,
+                f"keeps {self.topk_groups * per_group} experts (groups={self.groups} of "
+                f"{per_group} experts each), fewer than top_k={self.top_k}",
+            )
+        if self.router == "sigmoid" and self.groups > 1 and per_group < 2:
+            raise FieldError(
+                "groups",
+                self.groups,
+                f"leaves {per_group} expert a group; the sigmoid router ranks a group by its "
+                "two best",
+            )
 
     @property
     def shared_hidden(self) -> int:

@@ -221,12 +221,26 @@ class Router(nn.Module):
         choice = scores
         if self.moe.load_balance == "bias":
             choice = scores + self.expert_bias.to(dtype)
+        if self.moe.topk_groups < self.moe.groups:
+            choice = self._within_best_groups(choice)
         # A stable sort keeps equal scores in index order: ties go to the lower expert.
         experts = choice.sort(dim=-1, descending=True, stable=True).indices[:, : self.moe.top_k]
         weights = scores.gather(-1, experts)
         if self.moe.renormalize:  # the 1e-20 keeps k sigmoid scores that underflow finite
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.moe.route_scale, experts, scores
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` (T, E) with the experts outside each token's best `topk_groups` groups
+        set to -inf (group-limited routing, `MoEConfig`)."""
+        grouped = choice.unflatten(-1, (self.moe.groups, -1))  # (T, groups, experts a group)
+        if self.moe.router == "sigmoid":  # DeepSeek-V3: a group's two best scores
+            rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:  # DeepSeek-V2: a group's best
+            rank = grouped.amax(dim=-1)
+        best = rank.sort(dim=-1, descending=True, stable=True).indices[:, : self.moe.topk_groups]
+        kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def aux_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:

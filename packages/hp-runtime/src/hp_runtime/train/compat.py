@@ -85,9 +85,17 @@ def _table_change(meta: dict[str, Any], config: ModelConfig) -> tuple[str, str, 
         value = getattr(config, key)
         now = "none" if value is None else as_table(value)
         free = MOE_MAY_CHANGE if key == "moe" else set()
+        if isinstance(then, dict) and isinstance(now, dict):  # fields after the checkpoint's hp
+            free = free | {k for k in now.keys() - then.keys() if now[k] == _default(value, k)}
         if _without(then, free) != _without(now, free):
             return key, toml_value(now), toml_value(then)
     return None
+
+
+def _default(table: Any, name: str) -> Any:
+    """A table's field's default: what an hp before the field computed (`model.moe.groups`)."""
+    field = next(f for f in fields(table) if f.name == name)
+    return field.default
 
 
 def _without(table: Any, names: set[str]) -> Any:

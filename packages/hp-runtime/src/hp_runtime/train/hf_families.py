@@ -12,11 +12,12 @@ renormalised; Qwen3-MoE renormalises when `norm_topk_prob` and keeps its `mlp_on
 dense; Dots1 (Qwen3's attention) and GLM-4-MoE (Llama's, `use_qk_norm` optional, with
 `partial_rotary_factor` 1.0) route as DeepSeek-V3 does: sigmoid scores, the top-k chosen by
 score + `e_score_correction_bias` (hp's `expert_bias`), normalised (`norm_topk_prob`), scaled
-(`routed_scaling_factor`), plus `n_shared_experts` always-active experts, one group
-(n_group = topk_group). What none of them computes is refused by key (`family_of`): a softmax
-router with shared experts (Qwen2-MoE gates its shared expert with a sigmoid, hp does not),
-a routing scale or a balancing bias with softmax, Mixtral without renormalised weights or
-with dense layers, the sigmoid router without shared experts.
+(`routed_scaling_factor`), within the best `topk_group` of `n_group` groups of experts (hp's
+`groups`, `topk_groups`), plus `n_shared_experts` always-active experts. What none of them
+computes is refused by key (`family_of`): group-limited routing with softmax (DeepSeek-V2's),
+a softmax router with shared experts (Qwen2-MoE gates its shared expert with a sigmoid, hp
+does not), a routing scale or a balancing bias with softmax, Mixtral without renormalised
+weights or with dense layers, the sigmoid router without shared experts.
 
 The tensors' names in each family's checkpoints are `hf_names.py`'s; config.json as a whole,
 written and read, is `hf_config.py`'s.
@@ -276,7 +277,7 @@ def _read_qwen3_moe(path: str, hf: dict[str, Any], family: Family) -> dict[str, 
 def _write_shared(config: ModelConfig) -> dict[str, Any]:
     """DeepSeek-V3's routing, as Dots1 and GLM-4-MoE spell it: sigmoid scores, top-k chosen
     by score + bias, the k scores normalised (`norm_topk_prob`) and scaled, plus shared
-    experts; one group (no group-limited routing)."""
+    experts; group-limited (`n_group`, `topk_group`)."""
     moe = config.moe
     assert moe is not None
     return {
@@ -288,8 +289,8 @@ def _write_shared(config: ModelConfig) -> dict[str, Any]:
         "first_k_dense_replace": moe.first_dense_layers,
         "norm_topk_prob": moe.renormalize,
         "routed_scaling_factor": moe.route_scale,
-        "n_group": 1,
-        "topk_group": 1,
+        "n_group": moe.groups,
+        "topk_group": moe.topk_groups,
         "attention_bias": False,
     }
 
@@ -313,15 +314,9 @@ def _write_glm4_moe(config: ModelConfig) -> dict[str, Any]:
 
 
 def _read_shared(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
-    """DeepSeek-V3's routing (see `_write_shared`). Group-limited routing keeps the experts
-    of the best `topk_group` of `n_group` groups: with topk_group = n_group it keeps all,
-    which is hp's."""
-    groups = [_count(path, hf, family, key) for key in ("n_group", "topk_group")]
-    if groups[0] != groups[1]:
-        raise TrainError(
-            f"{path}: n_group={groups[0]} with topk_group={groups[1]} is not supported; hp "
-            "routes over all the experts (group-limited routing needs topk_group = n_group)"
-        )
+    """DeepSeek-V3's routing (see `_write_shared`), group-limited: the experts of the best
+    `topk_group` of `n_group` groups (`MoEConfig.groups`, `topk_groups`)."""
+    groups, topk_groups = (_count(path, hf, family, key) for key in ("n_group", "topk_group"))
     first = _get(path, hf, family, "first_k_dense_replace")
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
         raise TrainError(f"{path}: first_k_dense_replace={_json(first)} must be an integer >= 0")
@@ -330,6 +325,8 @@ def _read_shared(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any
         "experts": "n_routed_experts",
         "top_k": "num_experts_per_tok",
         "route_scale": "routed_scaling_factor",
+        "groups": "n_group",
+        "topk_groups": "topk_group",
     }
     fields: dict[str, Any] = {}
     fields["moe"] = _moe(
@@ -343,6 +340,8 @@ def _read_shared(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any
         renormalize=_flag(path, hf, family, "norm_topk_prob"),
         route_scale=float(_positive(path, "routed_scaling_factor", scale, float)),
         first_dense_layers=first,
+        groups=groups,
+        topk_groups=topk_groups,
     )
     _dense_layers(fields, hf, path, first)
     return fields
@@ -456,6 +455,12 @@ def family_of(config: ModelConfig) -> Family:
     if moe is None:
         return QWEN3 if config.qk_norm else LLAMA
     if moe.router == "softmax":
+        if moe.topk_groups < moe.groups:
+            raise TrainError(
+                f"model.moe.topk_groups = {moe.topk_groups} of groups = {moe.groups} with "
+                'router = "softmax" is in no transformers family hp writes (DeepSeek-V2\'s '
+                'routing); router = "sigmoid" exports it (Dots1, GLM-4-MoE)'
+            )
         if moe.shared_experts:
             raise TrainError(
                 f'model.moe.shared_experts = {moe.shared_experts} with router = "softmax" '

@@ -85,6 +85,8 @@ RANGES: dict[str, Range] = {
     "model.moe.first_dense_layers": _ints(0),
     "model.moe.aux_loss_coef": NON_NEGATIVE,
     "model.moe.bias_update_rate": NON_NEGATIVE,
+    "model.moe.groups": _ints(1),
+    "model.moe.topk_groups": _ints(1),
     # hp-data's GPTDataset: a sample predicts at least one token; its L + 1 tokens count in int32
     "data.seq_length": _ints(2, MAX_SEQ_LENGTH),
     "data.seed": _ints(0, SEED_MAX),
