@@ -4,6 +4,8 @@ round (the checkpoint holds the fp32 masters only); the float8 loss curve follow
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,15 @@ def test_the_float8_curve_follows_fp32s(example_corpus, example_tokenizer, tmp_p
     assert len(fp32) == 10 and fp32[-1] < fp32[0] - 1.0
     assert not np.array_equal(fp32, float8)
     np.testing.assert_allclose(float8, fp32, rtol=2e-2)
+
+
+def test_without_torchao_the_table_is_refused_in_one_line(monkeypatch, tmp_path):
+    """torchao is an extra: a machine without it says which one to install."""
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # an import of it fails
+    run = tmp_path / "run"
+    done = hp_train_here(*BASE, "train.steps=1", f"train.run_dir={run}", TENSORWISE)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "hp-train: error: train.float8 needs torchao: pip install 'hp-runtime[float8]'"
+    )
+    assert not run.exists()

@@ -40,6 +40,24 @@ CAPABILITY = {
 }
 
 
+def import_torchao() -> None:
+    """torchao, imported without the deprecation warning torch logs for each Enum it
+    registers (torchao's concern, printed on every rank of every float8 run otherwise);
+    ImportError where the extra is not installed."""
+    import logging
+
+    log = logging.getLogger("torch.utils._pytree")
+
+    def registering_an_enum(record: logging.LogRecord) -> bool:
+        return "is an Enum subclass" not in record.getMessage()
+
+    log.addFilter(registering_an_enum)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        log.removeFilter(registering_an_enum)
+
+
 def matches(name: str, pattern: str) -> bool:
     """Whether a module name matches a `skip` pattern: whole, or as its last dotted parts."""
     return fnmatchcase(name, pattern) or fnmatchcase(name, "*." + pattern)

@@ -220,12 +220,13 @@ def check_float8_here(config: Config, device_type: str) -> None:
 
     float8 = config.train.float8
     assert float8 is not None
+    from hp_runtime.model import Transformer
+    from hp_runtime.parallel.float8 import CAPABILITY, import_torchao, unmatched_patterns
+
     try:
-        import torchao  # noqa: F401
+        import_torchao()
     except ImportError:
         raise ConfigError("train.float8 needs torchao: pip install 'hp-runtime[float8]'") from None
-    from hp_runtime.model import Transformer
-    from hp_runtime.parallel.float8 import CAPABILITY, unmatched_patterns
 
     with torch.device("meta"):
         model = Transformer(config.model)
