@@ -20,7 +20,8 @@ and the one prefetched, in the compute dtype) and their unsharded gradients.
 (`float8_param_bytes`, of `param_bytes`), and under `fsdp_all_gather` they are gathered in
 float8, one byte an element instead of the compute dtype's two, in the FSDP traffic and the
 gathered blocks. Activations do not change: torchao's float8 linears keep their inputs in
-high precision for the backward and cast them again there.
+high precision for the backward and cast them again there. The roofline's compute stays at
+the bf16 peak: what float8's matmuls gain is measured (`tools/gpu/check.py`), not assumed.
 
 With `--gpu`, a roofline: the step's model FLOPs at the GPU's dense bf16 peak, each dimension's
 communication at its link's bandwidth (inside a node for a group that fits in one, else the
