@@ -161,3 +161,17 @@ def test_float8_under_compile_stays_float8():
         np.testing.assert_allclose(result["losses"], eager, rtol=1e-3)
         to_eager = np.abs(np.subtract(result["losses"], eager)).max()
         assert to_eager < np.abs(np.subtract(result["losses"], fp32)).max() / 10
+
+
+def test_the_shape_rule_is_the_recipes():
+    """A feed-forward 48 wide converts under the float8 recipes (multiples of 16) and stays in
+    high precision under mxfp8 (blocks of 32), and under TP 2 (a shard 24 wide)."""
+    from hp_runtime.model import Transformer
+    from hp_runtime.parallel.float8 import high_precision
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(ffn_hidden=48))
+    ffn = {f"layers.{i}.feed_forward.w{j}" for i in range(2) for j in (1, 2, 3)}
+    assert not ffn & set(high_precision(model, Float8(recipe="rowwise")))
+    for kept in (high_precision(model, Float8(recipe="mxfp8")), high_precision(model, Float8(), 2)):
+        assert ffn <= set(kept) and "layers.0.attention.wq" not in kept

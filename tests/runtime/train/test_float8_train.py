@@ -53,6 +53,34 @@ BAD = {
     "skip matching nothing": (['train.float8.skip=["wq", "attention.wz"]'], "'attention.wz'"),
     "skip not a list": (["train.float8.skip=wo"], "train.float8.skip"),
     "skip of numbers": (["train.float8.skip=[1]"], "train.float8.skip"),
+    "tokens not a multiple of 16": (
+        [
+            "train.float8.recipe=rowwise",
+            "data.seq_length=24",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=1",
+        ],
+        "train.micro_batch_size x data.seq_length",
+    ),
+    "mxfp8 tokens not a multiple of 32": (
+        [
+            "train.float8.recipe=mxfp8",
+            "data.seq_length=48",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=1",
+        ],
+        "must be a multiple of 32",
+    ),
+    "all-gather with shared experts under TP": (
+        [
+            "train.float8.fsdp_all_gather=true",
+            "model.preset=moe-tiny",
+            "parallel.tp=2",
+            "model.moe.shared_experts=1",
+            "parallel.dp_shard=2",
+        ],
+        "model.moe.shared_experts",
+    ),
     "tp_reduce_dtype": (
         [TENSORWISE, "parallel.tp=2", "parallel.tp_reduce_dtype=float32"],
         "parallel.tp_reduce_dtype",
@@ -149,3 +177,23 @@ def test_without_torchao_the_table_is_refused_in_one_line(monkeypatch, tmp_path)
         "hp-train: error: train.float8 needs torchao: pip install 'hp-runtime[float8]'"
     )
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_float8_all_gather_holds_plain_tensors(tmp_path):
+    """FSDP 2 gathering in float8: torchao wraps each converted weight (and AdamW's moments
+    made like it) in a tensor subclass of its own; the checkpoint holds the plain data, so it
+    loads where torchao is not imported (a resume without float8, an export: names of its
+    classes in the files would make torch's safe loading refuse them). Stopped at step 3 and
+    resumed with the all-gather, the run is the uninterrupted one bit for bit, which needs
+    the gather's scales recomputed after the load (`Setup.run`)."""
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    layout = [*BASE, "parallel.dp_shard=2", TENSORWISE, "train.float8.fsdp_all_gather=true"]
+    straight = train_ranks(2, [*layout, "train.steps=6", f"train.run_dir={whole}"])[0]
+    train_ranks(2, [*layout, "train.steps=3", f"train.run_dir={run}"])
+    shards = list((run / "checkpoints" / "step-0000003").glob("*.distcp"))
+    assert len(shards) == 2
+    assert not any(b"torchao" in shard.read_bytes() for shard in shards)
+    resumed = train_ranks(2, [*layout, "train.steps=6", f"train.run_dir={run}"])[0]
+    assert resumed["losses"] == straight["losses"][3:]
+    assert resumed["grad_norms"] == straight["grad_norms"][3:]

@@ -10,8 +10,8 @@ Which linears stay in high precision, the rule `docs/training.md` documents:
 - the output head: its logits feed the loss over the whole vocabulary, where float8's
   three significant bits cost accuracy for a small share of the FLOPs (torchtitan skips it);
 - a MoE router's gate: its few outputs pick the experts, and a rounding changes the route;
-- a linear whose in or out features are not multiples of 16, which float8 matmuls refuse
-  (of 16 x parallel.tp under TP, where each rank multiplies a shard);
+- a linear whose in or out features are not multiples of 16 (32 for mxfp8), which float8
+  matmuls refuse (of 16 x parallel.tp under TP, where each rank multiplies a shard);
 - those whose names match a `skip` pattern.
 The routed experts are not `nn.Linear`s: they stay in the compute dtype (`setup.py` says so).
 
@@ -27,10 +27,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from hp_runtime.parallel.options import Float8
+from hp_runtime.parallel.options import MULTIPLE, Float8
 
-# torch._scaled_mm's rule: both dims of each float8 operand a multiple of 16.
-MULTIPLE = 16
 # The compute capability each recipe's matmuls need on CUDA (float8: Ada/Hopper; MX: Blackwell).
 CAPABILITY = {
     "tensorwise": (8, 9),
@@ -69,6 +67,7 @@ def high_precision(model: nn.Module, float8: Float8, tp: int = 1) -> dict[str, s
     from hp_runtime.model.moe import Router
 
     gates = {id(m.gate) for m in model.modules() if isinstance(m, Router)}
+    multiple = MULTIPLE[float8.recipe] * tp
     kept = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -77,8 +76,8 @@ def high_precision(model: nn.Module, float8: Float8, tp: int = 1) -> dict[str, s
             kept[name] = "the output head"
         elif id(module) in gates:
             kept[name] = "a MoE router"
-        elif module.in_features % (MULTIPLE * tp) or module.out_features % (MULTIPLE * tp):
-            kept[name] = f"{module.in_features}x{module.out_features}, not multiples of {16 * tp}"
+        elif module.in_features % multiple or module.out_features % multiple:
+            kept[name] = f"{module.in_features}x{module.out_features}, not multiples of {multiple}"
         elif any(matches(name, pattern) for pattern in float8.skip):
             kept[name] = "train.float8.skip"
     return kept

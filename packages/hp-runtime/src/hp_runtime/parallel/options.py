@@ -33,6 +33,9 @@ class ParallelOptions:
 
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]
+# Each recipe's matmuls take dims that are multiples of this: torch._scaled_mm's rule for
+# float8 operands (16); MX formats scale blocks of 32 values.
+MULTIPLE = {"tensorwise": 16, "rowwise": 16, "rowwise_with_gw_hp": 16, "mxfp8": 32}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,13 @@ def parallelize(
         # torchao's float8 styles move float8 tensors, which gloo cannot carry: on CPU the
         # converted linears cast after torch's styles gather (the same scales, so the same
         # numerics; `tp.py`).
-        tensorwise = float8 is not None and float8.recipe == "tensorwise" and device_type == "cuda"
+        # (nor round their scales to powers of two: with that asked, torch's styles too)
+        tensorwise = (
+            float8 is not None
+            and float8.recipe == "tensorwise"
+            and not float8.round_scales_to_power_of_2
+            and device_type == "cuda"
+        )
         apply_tp(model, mesh["tp"], options.loss_parallel, reduce_dtype, tensorwise)
     if dims.ep > 1:
         if expert_mesh is None:

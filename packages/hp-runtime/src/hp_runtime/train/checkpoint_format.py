@@ -11,11 +11,14 @@ import os
 import tomllib
 from typing import Any
 
+import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from hp_runtime.train import storage
 from hp_runtime.train.errors import TrainError
@@ -109,10 +112,45 @@ def read_meta(path: str) -> dict[str, Any]:
 
 def tensors(state: TrainState) -> dict[str, dict[str, Any]]:
     """The model's and optimizer's tensors by parameter name (this rank's shards), merged over
-    the model parts a pipeline rank holds."""
+    the model parts a pipeline rank holds; each a plain tensor (`plain`)."""
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     for module, opt in zip(state.modules, state.optimizer.optimizers, strict=True):
         model.update(get_model_state_dict(module, options=OPTIONS))
         optim.update(get_optimizer_state_dict(module, opt, options=OPTIONS))
-    return {"model": model, "optim": optim}
+    return {
+        "model": {k: plain(v) for k, v in model.items()},
+        "optim": {k: plain(v) for k, v in optim.items()},
+    }
+
+
+def plain(value: Any) -> Any:
+    """A tensor as a plain one (a DTensor of plain local shards) over the same memory.
+    torchao's float8 wraps weights (and what is made like them, AdamW's moments) in tensor
+    subclasses of its own; saved as they are, a checkpoint names their classes and loads only
+    where torchao is imported and its classes are allowed, so that a float8 run could not
+    resume without float8 nor be exported. Writing and loading through the wrapped data keeps
+    checkpoints free of them."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = _unwrapped(local)
+        if inner is local:
+            return value
+        with torch.no_grad():
+            return DTensor.from_local(
+                inner, value.device_mesh, value.placements, run_check=False,
+                shape=value.shape, stride=value.stride(),
+            )  # fmt: skip
+    return _unwrapped(value) if isinstance(value, torch.Tensor) else value
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The data a wrapper subclass holds (its first flattened tensor, of its own shape)."""
+    while type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(
+        tensor, "__tensor_flatten__"
+    ):
+        inner = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+        if not isinstance(inner, torch.Tensor) or inner.shape != tensor.shape:
+            break
+        tensor = inner
+    return tensor

@@ -8,6 +8,7 @@ import math
 
 from hp_data.registry import dataset_type
 
+from hp_runtime.parallel.options import MULTIPLE
 from hp_runtime.train.config.schema import Config, MetricsConfig
 from hp_runtime.train.errors import ConfigError
 
@@ -82,6 +83,22 @@ def check_float8(config: Config) -> None:
         raise ConfigError(
             "train.float8.round_scales_to_power_of_2 = false: mxfp8's scales are powers of two "
             "by its format; leave the key unset"
+        )
+    moe = config.model.moe
+    if float8.fsdp_all_gather and p.tp > 1 and moe is not None and moe.shared_experts:
+        raise ConfigError(
+            "train.float8.fsdp_all_gather = true cannot go with model.moe.shared_experts under "
+            "parallel.tp > 1 yet (the shared experts are whole on each tp rank, the other "
+            "linears split, and torchao precomputes all their scales in one collective): set "
+            "fsdp_all_gather = false"
+        )
+    tokens = config.train.micro_batch_size * config.data.seq_length // p.cp
+    if tokens % MULTIPLE[float8.recipe]:
+        raise ConfigError(
+            f"train.float8: a micro-batch's tokens on a rank (train.micro_batch_size x "
+            f"data.seq_length / parallel.cp = {tokens}) must be a multiple of "
+            f"{MULTIPLE[float8.recipe]}: the weight gradients' float8 matmul runs over them; "
+            "change data.seq_length or train.micro_batch_size"
         )
     if float8.recipe == "mxfp8" and p.tp > 1:
         raise ConfigError(
