@@ -175,3 +175,20 @@ def test_the_shape_rule_is_the_recipes():
     assert not ffn & set(high_precision(model, Float8(recipe="rowwise")))
     for kept in (high_precision(model, Float8(recipe="mxfp8")), high_precision(model, Float8(), 2)):
         assert ffn <= set(kept) and "layers.0.attention.wq" not in kept
+
+
+def test_under_tp_a_moe_layers_shared_experts_count_whole():
+    """Under TP 2 a MoE layer is whole on each rank: its shared experts (48 wide) convert,
+    where a dense feed-forward of that width, split in two, stays in high precision."""
+    from hp_runtime.model import Transformer
+    from hp_runtime.model.config import MoEConfig
+    from hp_runtime.parallel.float8 import high_precision
+
+    moe = MoEConfig(experts=4, top_k=2, expert_ffn_hidden=48, shared_experts=1,
+                    first_dense_layers=1)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(ffn_hidden=48, moe=moe))
+    kept = high_precision(model, Float8(), 2)
+    assert {"layers.0.feed_forward.w1", "layers.0.feed_forward.w2"} <= set(kept)
+    assert not {n for n in kept if ".shared." in n}
+    assert "layers.1.feed_forward.router.gate" in kept

@@ -81,10 +81,6 @@ BAD = {
         ],
         "model.moe.shared_experts",
     ),
-    "tp_reduce_dtype": (
-        [TENSORWISE, "parallel.tp=2", "parallel.tp_reduce_dtype=float32"],
-        "parallel.tp_reduce_dtype",
-    ),
 }
 
 
@@ -197,3 +193,35 @@ def test_a_checkpoint_of_the_float8_all_gather_holds_plain_tensors(tmp_path):
     resumed = train_ranks(2, [*layout, "train.steps=6", f"train.run_dir={run}"])[0]
     assert resumed["losses"] == straight["losses"][3:]
     assert resumed["grad_norms"] == straight["grad_norms"][3:]
+
+
+def test_tp_reduce_dtype_is_refused_while_float8_converts_a_row_wise_linear():
+    """Checked against the model on the machine (`check_float8_here`, as each rank does
+    before building it): refused in one line naming the key while `wo` or `w2` converts."""
+    from hp_runtime.train.config import load_config
+    from hp_runtime.train.config.checks import check_float8_here
+    from hp_runtime.train.errors import ConfigError
+
+    layout = [*BASE, "train.steps=1", "parallel.tp=2", "parallel.tp_reduce_dtype=float32",
+              TENSORWISE]  # fmt: skip
+    for skip in ([], ["wo"], ["w2"]):
+        config = load_config(None, [*layout, f"train.float8.skip={skip!r}".replace("'", '"')])
+        with pytest.raises(ConfigError, match=r"^parallel.tp_reduce_dtype replaces") as info:
+            check_float8_here(config, "cpu")
+        assert "\n" not in str(info.value)
+    skipped = load_config(None, [*layout, 'train.float8.skip=["wo", "w2"]'])
+    check_float8_here(skipped, "cpu")
+
+
+@pytest.mark.slow
+def test_tp_reduce_dtype_trains_with_the_row_wise_linears_skipped():
+    """`parallel.tp_reduce_dtype` replaces the row-wise linears' matmul: refused while float8
+    converts them (BAD above), taken when `skip` keeps them, and then the run trains as the
+    same run without the reduce dtype within fp32's reordering (its partial sums are fp32
+    either way on CPU)."""
+    layout = [*BASE, "train.steps=3", "checkpoint.interval=0", "parallel.tp=2", TENSORWISE,
+              'train.float8.skip=["wo", "w2"]']  # fmt: skip
+    runs = [
+        train_ranks(2, [*layout, *extra])[0] for extra in ([], ["parallel.tp_reduce_dtype=float32"])
+    ]
+    np.testing.assert_allclose(runs[1]["losses"], runs[0]["losses"], rtol=1e-5)

@@ -11,7 +11,8 @@ Which linears stay in high precision, the rule `docs/training.md` documents:
   three significant bits cost accuracy for a small share of the FLOPs (torchtitan skips it);
 - a MoE router's gate: its few outputs pick the experts, and a rounding changes the route;
 - a linear whose in or out features are not multiples of 16 (32 for mxfp8), which float8
-  matmuls refuse (of 16 x parallel.tp under TP, where each rank multiplies a shard);
+  matmuls refuse (of 16 x parallel.tp under TP, where each rank multiplies a shard; a MoE
+  layer's shared experts are whole on each rank);
 - those whose names match a `skip` pattern.
 The routed experts are not `nn.Linear`s: they stay in the compute dtype (`setup.py` says so).
 
@@ -64,14 +65,16 @@ def matches(name: str, pattern: str) -> bool:
 def high_precision(model: nn.Module, float8: Float8, tp: int = 1) -> dict[str, str]:
     """{linear's name: why it stays in high precision} under the rule above, for a model
     whose linears are split over `tp` ranks."""
-    from hp_runtime.model.moe import Router
+    from hp_runtime.model.moe import MoE, Router
 
     gates = {id(m.gate) for m in model.modules() if isinstance(m, Router)}
-    multiple = MULTIPLE[float8.recipe] * tp
+    # A MoE layer is whole on every tp rank (`tp.py`): its shared experts are not split.
+    whole = {id(m) for moe in model.modules() if isinstance(moe, MoE) for m in moe.modules()}
     kept = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        multiple = MULTIPLE[float8.recipe] * (1 if id(module) in whole else tp)
         if module is getattr(model, "output", None):
             kept[name] = "the output head"
         elif id(module) in gates:

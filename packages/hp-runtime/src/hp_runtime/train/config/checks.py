@@ -106,11 +106,6 @@ def check_float8(config: Config) -> None:
             "linears do not train under TP as on one process): use 'tensorwise' or 'rowwise', "
             "or parallel.tp = 1"
         )
-    if p.tp_reduce_dtype is not None and p.tp > 1:
-        raise ConfigError(
-            "parallel.tp_reduce_dtype replaces the row-wise linears' matmul, which train.float8 "
-            "converts: leave parallel.tp_reduce_dtype unset with train.float8"
-        )
 
 
 def check_length(key: str, length: int, config: Config) -> None:
@@ -238,7 +233,12 @@ def check_float8_here(config: Config, device_type: str) -> None:
     float8 = config.train.float8
     assert float8 is not None
     from hp_runtime.model import Transformer
-    from hp_runtime.parallel.float8 import CAPABILITY, import_torchao, unmatched_patterns
+    from hp_runtime.parallel.float8 import (
+        CAPABILITY,
+        high_precision,
+        import_torchao,
+        unmatched_patterns,
+    )
 
     try:
         import_torchao()
@@ -247,6 +247,16 @@ def check_float8_here(config: Config, device_type: str) -> None:
 
     with torch.device("meta"):
         model = Transformer(config.model)
+    kept = high_precision(model, float8, config.parallel.tp)
+    split_by_rows = ("attention.wo", "feed_forward.w2")  # tp.py's row-wise linears
+    names = [name for name, _ in model.named_modules()]
+    rowwise = [n for n in names if n.endswith(split_by_rows) and n not in kept]
+    if config.parallel.tp_reduce_dtype is not None and config.parallel.tp > 1 and rowwise:
+        raise ConfigError(
+            f"parallel.tp_reduce_dtype replaces the row-wise linears' matmul, which train.float8 "
+            f"converts ({rowwise[0]}, ...): leave parallel.tp_reduce_dtype unset, or skip them "
+            '(train.float8.skip = ["wo", "w2"])'
+        )
     unmatched = unmatched_patterns(model, float8.skip)
     if unmatched:
         raise ConfigError(
