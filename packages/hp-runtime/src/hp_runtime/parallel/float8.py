@@ -116,15 +116,14 @@ def torchao_config(float8: Float8, device_type: str) -> object:
     )
 
 
-def apply_float8(model: nn.Module, float8: Float8, device_type: str, tp: int = 1) -> list[str]:
-    """Convert `model`'s linears but those `high_precision` keeps; the converted names."""
+def apply_float8(model: nn.Module, float8: Float8, device_type: str, tp: int = 1) -> None:
+    """Convert `model`'s linears but those `high_precision` keeps."""
     kept = high_precision(model, float8, tp)
 
     def convert(module: nn.Module, name: str) -> bool:
         return isinstance(module, nn.Linear) and name not in kept
 
     config = torchao_config(float8, device_type)
-    converted = [n for n, m in model.named_modules() if convert(m, n)]
     if float8.recipe == "mxfp8":
         from torchao.quantization import quantize_
 
@@ -133,7 +132,6 @@ def apply_float8(model: nn.Module, float8: Float8, device_type: str, tp: int = 1
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, config=config, module_filter_fn=convert)  # type: ignore[arg-type]
-    return converted
 
 
 def is_float8(module: nn.Module) -> bool:

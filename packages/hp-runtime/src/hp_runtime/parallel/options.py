@@ -40,7 +40,7 @@ MULTIPLE = {"tensorwise": 16, "rowwise": 16, "rowwise_with_gw_hp": 16, "mxfp8": 
 
 @dataclass(frozen=True, kw_only=True)
 class Float8:
-    """`train.float8 = {recipe, fsdp_all_gather, skip}`.
+    """`train.float8 = {recipe, fsdp_all_gather, round_scales_to_power_of_2, skip}`.
 
     `recipe`: torchao's recipe name: `tensorwise` (one scale a tensor, the fastest),
     `rowwise` (one scale a row: more accurate, a little slower), `rowwise_with_gw_hp` (rowwise

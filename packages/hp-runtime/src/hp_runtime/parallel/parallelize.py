@@ -42,10 +42,9 @@ def parallelize(
     if dims.tp > 1:
         assert mesh is not None
         reduce_dtype = getattr(torch, options.tp_reduce_dtype) if options.tp_reduce_dtype else None
-        # torchao's float8 styles move float8 tensors, which gloo cannot carry: on CPU the
-        # converted linears cast after torch's styles gather (the same scales, so the same
-        # numerics; `tp.py`).
-        # (nor round their scales to powers of two: with that asked, torch's styles too)
+        # torchao's float8 styles move float8 tensors, which gloo cannot carry, and do not
+        # round scales to powers of two: there the converted linears cast after torch's
+        # styles gather (`tp.py`).
         tensorwise = (
             float8 is not None
             and float8.recipe == "tensorwise"

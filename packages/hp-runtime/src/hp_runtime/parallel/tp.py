@@ -43,6 +43,10 @@ from torch.distributed.tensor.parallel import (
 from hp_runtime.model.moe import MoE, compute_dtype
 from hp_runtime.parallel.float8 import is_float8
 
+# The linears split by rows (their input's last dimension), whose partial sums are reduced:
+# the plan's `rowwise` ones below.
+ROW_WISE = ("attention.wo", "feed_forward.w2")
+
 
 class _PartialProduct(torch.autograd.Function):
     """`x @ w.T` in the compute dtype (bf16 under autocast or bf16 parameters) with the

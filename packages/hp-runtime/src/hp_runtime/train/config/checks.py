@@ -226,8 +226,9 @@ def check_layout(config: Config, world_size: int, device_type: str) -> None:
 
 
 def check_float8_here(config: Config, device_type: str) -> None:
-    """What `train.float8` needs of this machine: torchao, skip patterns that name linears of
-    this model, and a GPU whose matmuls take the recipe's format."""
+    """What `train.float8` needs of this machine and of the model built on it: torchao, the
+    row-wise linears unconverted under `parallel.tp_reduce_dtype`, skip patterns that name
+    linears of the model, and a GPU whose matmuls take the recipe's format."""
     import torch  # here: loading a config needs no torch
 
     float8 = config.train.float8
@@ -239,6 +240,7 @@ def check_float8_here(config: Config, device_type: str) -> None:
         import_torchao,
         unmatched_patterns,
     )
+    from hp_runtime.parallel.tp import ROW_WISE
 
     try:
         import_torchao()
@@ -248,9 +250,8 @@ def check_float8_here(config: Config, device_type: str) -> None:
     with torch.device("meta"):
         model = Transformer(config.model)
     kept = high_precision(model, float8, config.parallel.tp)
-    split_by_rows = ("attention.wo", "feed_forward.w2")  # tp.py's row-wise linears
     names = [name for name, _ in model.named_modules()]
-    rowwise = [n for n in names if n.endswith(split_by_rows) and n not in kept]
+    rowwise = [n for n in names if n.endswith(ROW_WISE) and n not in kept]
     if config.parallel.tp_reduce_dtype is not None and config.parallel.tp > 1 and rowwise:
         raise ConfigError(
             f"parallel.tp_reduce_dtype replaces the row-wise linears' matmul, which train.float8 "
