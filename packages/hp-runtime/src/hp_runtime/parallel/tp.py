@@ -98,6 +98,42 @@ class RowwiseParallelReduced(RowwiseParallel):
         return module
 
 
+class _Styles:
+    """Each linear's TP style: torchao's float8 ones for the linears converted to the
+    tensorwise recipe (when `float8_tensorwise`), else torch's (`RowwiseParallelReduced` for
+    the row-wise ones under `reduce_dtype`)."""
+
+    def __init__(self, float8_tensorwise: bool, reduce_dtype: torch.dtype | None) -> None:
+        self.float8_tensorwise, self.reduce_dtype = float8_tensorwise, reduce_dtype
+
+    def float8(self, *linears: nn.Module) -> bool:
+        return self.float8_tensorwise and all(is_float8(linear) for linear in linears)
+
+    def colwise(self, linear: nn.Module) -> ColwiseParallel:
+        if self.float8(linear):
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+            return Float8ColwiseParallel()
+        return ColwiseParallel()
+
+    def rowwise(self, linear: nn.Module) -> RowwiseParallel:
+        if self.float8(linear):
+            from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+            return Float8RowwiseParallel(output_layouts=Shard(1))
+        if self.reduce_dtype is None:
+            return RowwiseParallel(output_layouts=Shard(1))
+        return RowwiseParallelReduced(output_layouts=Shard(1), reduce_dtype=self.reduce_dtype)
+
+    def prepare(self, module: nn.Module, linears: tuple[str, ...], **layouts: object) -> object:
+        """The input gathered for `linears`: in float8 when all of them are."""
+        if self.float8(*(module.get_submodule(name) for name in linears)):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(**layouts, fwd_config_submodule_fqn=linears[0])
+        return PrepareModuleInput(**layouts)
+
+
 def apply_tp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -108,34 +144,7 @@ def apply_tp(
     """Shard `model` (a hp_runtime Transformer or a pipeline stage of one) over `mesh`;
     `reduce_dtype` reduces the row-wise projections' partial sums in that dtype;
     `float8_tensorwise`: the linears converted to float8's tensorwise recipe move float8."""
-
-    def float8(*linears: nn.Module) -> bool:
-        return float8_tensorwise and all(is_float8(linear) for linear in linears)
-
-    def colwise(linear: nn.Module) -> ColwiseParallel:
-        if float8(linear):
-            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
-
-            return Float8ColwiseParallel()
-        return ColwiseParallel()
-
-    def rowwise(linear: nn.Module) -> RowwiseParallel:
-        if float8(linear):
-            from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
-
-            return Float8RowwiseParallel(output_layouts=Shard(1))
-        if reduce_dtype is None:
-            return RowwiseParallel(output_layouts=Shard(1))
-        return RowwiseParallelReduced(output_layouts=Shard(1), reduce_dtype=reduce_dtype)
-
-    def prepare(module: nn.Module, linears: tuple[str, ...], **layouts: object) -> object:
-        """The input gathered for `linears`: in float8 when all of them are."""
-        if float8(*(module.get_submodule(name) for name in linears)):
-            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
-
-            return PrepareFloat8ModuleInput(**layouts, fwd_config_submodule_fqn=linears[0])
-        return PrepareModuleInput(**layouts)
-
+    styles = _Styles(float8_tensorwise, reduce_dtype)
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -153,15 +162,15 @@ def apply_tp(
         if not isinstance(block.feed_forward, MoE):
             dense = block.feed_forward
             ffn = {
-                "feed_forward": prepare(
+                "feed_forward": styles.prepare(
                     dense,
                     ("w1", "w3"),
                     input_layouts=(Shard(1),),
                     desired_input_layouts=(Replicate(),),
                 ),
-                "feed_forward.w1": colwise(dense.w1),
-                "feed_forward.w2": rowwise(dense.w2),
-                "feed_forward.w3": colwise(dense.w3),
+                "feed_forward.w1": styles.colwise(dense.w1),
+                "feed_forward.w2": styles.rowwise(dense.w2),
+                "feed_forward.w3": styles.colwise(dense.w3),
             }
         else:  # whole on every tp rank (see above)
             ffn = {
@@ -176,16 +185,16 @@ def apply_tp(
         attention = block.attention
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": prepare(
+            "attention": styles.prepare(
                 attention,
                 ("wq", "wk", "wv"),
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
             ),
-            "attention.wq": colwise(attention.wq),
-            "attention.wk": colwise(attention.wk),
-            "attention.wv": colwise(attention.wv),
-            "attention.wo": rowwise(attention.wo),
+            "attention.wq": styles.colwise(attention.wq),
+            "attention.wk": styles.colwise(attention.wk),
+            "attention.wv": styles.colwise(attention.wv),
+            "attention.wo": styles.rowwise(attention.wo),
             "ffn_norm": SequenceParallel(),
             **ffn,
         }
