@@ -15,7 +15,7 @@ from hp_runtime.model import Transformer, preset
 from hp_runtime.model import moe as moe_module
 from hp_runtime.model.attention import Layout
 from hp_runtime.model.config import ModelConfig, MoEConfig
-from hp_runtime.model.llama import Attention, rotary_tables
+from hp_runtime.model.llama import Attention
 from hp_runtime.model.moe import (
     AddAuxLoss,
     MoE,
@@ -24,6 +24,7 @@ from hp_runtime.model.moe import (
     grouped_expert_ffn,
     grouped_mm_runs,
 )
+from hp_runtime.model.rotary import rotary_tables
 from hp_runtime.parallel import init_weights
 
 DIM, EXPERTS, HIDDEN = 32, 8, 16

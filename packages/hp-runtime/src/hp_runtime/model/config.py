@@ -9,6 +9,7 @@ from typing import Literal, get_args
 AttentionMode = Literal["auto", "sdpa", "flex", "segments"]  # model.attention: stable names
 RouterKind = Literal["softmax", "sigmoid"]  # model.moe.router: stable names
 LoadBalance = Literal["aux_loss", "bias"]  # model.moe.load_balance: stable names
+AttentionKind = Literal["gqa", "mla"]  # model.attention_kind: stable names
 MODES: tuple[str, ...] = get_args(AttentionMode)
 CHUNK_TOKENS = 1024  # the loss head's tokens a chunk (model/loss.py): 0.5 GiB of fp32 logits
 
@@ -27,29 +28,78 @@ def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+RopeKind = Literal["llama3", "yarn"]  # model.rope_scaling.type: stable names
+_LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor")
+_YARN_FIELDS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's rotary scaling (`type = "llama3"`): wavelengths longer than
-    `original_max_seq_len / low_freq_factor` are stretched `factor` times, those shorter
-    than `original_max_seq_len / high_freq_factor` are kept, and those between interpolate,
-    so that a model trained on `original_max_seq_len` positions reads `factor` times as many.
-    Every field is required: a checkpoint is only right under the numbers it was trained
-    with."""
+    """A rotary scaling that lets a model trained on `original_max_seq_len` positions read
+    `factor` times as many. Each type takes its own fields; the other type's stay none.
 
-    type: Literal["llama3"]
+    `type = "llama3"` (Llama 3.1): wavelengths longer than `original_max_seq_len /
+    low_freq_factor` are stretched `factor` times, those shorter than `original_max_seq_len /
+    high_freq_factor` are kept, and those between interpolate. Both factors are required: a
+    checkpoint is only right under the numbers it was trained with.
+
+    `type = "yarn"` (YaRN: DeepSeek-V3, Kimi K2, Qwen3's long context): the frequencies that
+    turn fewer than `beta_slow` times over the original length are stretched `factor` times,
+    those turning more than `beta_fast` times kept, a linear ramp between (transformers'
+    `rope_type = "yarn"`, bounds rounded outwards); cos and sin are multiplied by
+    `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` where both are given (nonzero),
+    else by `mscale(factor, 1)`, with `mscale(f, m) = 0.1 m ln f + 1`. Latent attention
+    (`model.attention_kind = "mla"`) also multiplies its softmax scale by
+    `mscale(factor, mscale_all_dim)²` where `mscale_all_dim` is given. Left out: beta_fast
+    32, beta_slow 1, mscale and mscale_all_dim none, as transformers reads them."""
+
+    type: RopeKind
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_seq_len: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # config.toml's order: llama3's as hp has always written it (resumes compare tables)
+    order = ("type", "factor", *_LLAMA3_FIELDS, "original_max_seq_len", *_YARN_FIELDS)
 
     def __post_init__(self) -> None:
-        if self.type != "llama3":
-            raise FieldError("type", self.type, 'is not a scaling hp implements; use "llama3"')
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if not _number(getattr(self, name)):
-                raise FieldError(name, getattr(self, name), "must be a number")
+        if self.type not in get_args(RopeKind):
+            raise FieldError(
+                "type", self.type, 'is not a scaling hp implements; use "llama3" or "yarn"'
+            )
+        if not _number(self.factor):
+            raise FieldError("factor", self.factor, "must be a number")
         if self.factor < 1:
             raise FieldError("factor", self.factor, "must be at least 1")
+        length = self.original_max_seq_len
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise FieldError("original_max_seq_len", length, "must be an integer")
+        if length < 1:
+            raise FieldError("original_max_seq_len", length, "must be at least 1")
+        mine, others = (
+            (_LLAMA3_FIELDS, _YARN_FIELDS)
+            if self.type == "llama3"
+            else (_YARN_FIELDS, _LLAMA3_FIELDS)
+        )
+        for name in others:
+            if getattr(self, name) is not None:
+                raise FieldError(name, getattr(self, name), f'is not a field of type "{self.type}"')
+        for name in mine:
+            value = getattr(self, name)
+            if value is None and self.type == "llama3":
+                raise FieldError(name, value, 'is required with type "llama3"')
+            if value is not None and not _number(value):
+                raise FieldError(name, value, "must be a number")
+        if self.type == "llama3":
+            self._check_llama3()
+        else:
+            self._check_yarn()
+
+    def _check_llama3(self) -> None:
+        assert self.low_freq_factor is not None and self.high_freq_factor is not None
         if self.low_freq_factor <= 0:
             raise FieldError("low_freq_factor", self.low_freq_factor, "must be more than 0")
         if self.high_freq_factor <= self.low_freq_factor:
@@ -58,11 +108,54 @@ class RopeScaling:
                 self.high_freq_factor,
                 f"must be more than low_freq_factor={self.low_freq_factor!r}",
             )
-        length = self.original_max_seq_len
-        if not isinstance(length, int) or isinstance(length, bool):
-            raise FieldError("original_max_seq_len", length, "must be an integer")
-        if length < 1:
-            raise FieldError("original_max_seq_len", length, "must be at least 1")
+
+    def _check_yarn(self) -> None:
+        for name in ("beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise FieldError(name, value, "must be more than 0")
+        if self.fast_rotations <= self.slow_rotations:
+            raise FieldError(
+                "beta_fast",
+                self.fast_rotations,
+                f"must be more than beta_slow={self.slow_rotations!r}",
+            )
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise FieldError(name, value, "must be at least 0")
+
+    @property
+    def fast_rotations(self) -> float:
+        """YaRN's beta_fast (32 where not given)."""
+        return 32.0 if self.beta_fast is None else self.beta_fast
+
+    @property
+    def slow_rotations(self) -> float:
+        """YaRN's beta_slow (1 where not given)."""
+        return 1.0 if self.beta_slow is None else self.beta_slow
+
+    def attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for llama3)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor, 1.0)
+
+    def softmax_factor(self) -> float:
+        """What latent attention multiplies its softmax scale by: DeepSeek's
+        mscale(factor, mscale_all_dim)² under YaRN where mscale_all_dim is given, else 1."""
+        if self.type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: 0.1 · mscale · ln(factor) + 1 (1 where factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -155,9 +248,56 @@ class MoEConfig:
         return self.shared_experts * self.expert_ffn_hidden
 
 
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight; `model/mla.py`).
+    The keys and values of all heads come from one `kv_lora_rank`-wide latent (normed), the
+    queries from a `q_lora_rank`-wide one (normed; none: a full-rank projection). A head's
+    query and key are `qk_nope_head_dim` columns without rotary plus `qk_rope_head_dim`
+    rotated ones, the rotated key shared by every head; its value is `v_head_dim` wide."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    order = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if value is None and name == "q_lora_rank":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FieldError(name, value, "must be an integer of at least 1")
+        nope = self.qk_nope_head_dim
+        if not isinstance(nope, int) or isinstance(nope, bool) or nope < 0:
+            raise FieldError("qk_nope_head_dim", nope, "must be an integer of at least 0")
+        if self.qk_rope_head_dim % 2:
+            raise FieldError("qk_rope_head_dim", self.qk_rope_head_dim, "must be even for rotary")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's (and key's) width: the part without rotary and the rotated part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def num_params(self, dim: int, heads: int) -> int:
+        """One layer's attention parameters (projections and the latents' norms)."""
+        q = dim * heads * self.qk_head_dim
+        if self.q_lora_rank is not None:
+            q = (
+                dim * self.q_lora_rank
+                + self.q_lora_rank
+                + self.q_lora_rank * heads * self.qk_head_dim
+            )
+        kv = dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * dim
+
+
 # Meta's scaling of Llama 3.1 (8B, 70B, 405B) and of Llama 3.2 (1B, 3B).
-LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
 
 
 @dataclass(frozen=True)
@@ -180,6 +320,10 @@ class ModelConfig:
     # Which attention kernel runs (see `attention.py`); "auto" picks by batch and device.
     attention: AttentionMode = "auto"
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, OLMoE)
+    # "gqa": grouped-query attention (`n_kv_heads`, `head_dim`); "mla": latent attention as
+    # `mla` shapes it (its k and v have `n_heads` heads; `n_kv_heads` must equal `n_heads`)
+    attention_kind: AttentionKind = "gqa"
+    mla: MLAConfig | None = None
     moe: MoEConfig | None = None  # None: every layer's feed-forward is dense
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -193,6 +337,7 @@ class ModelConfig:
             raise ValueError(f"moe={self.moe!r} is not a MoEConfig or None")
         if not isinstance(self.rope_scaling, RopeScaling | None):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} is not a RopeScaling or None")
+        self._check_attention_kind()
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
             if getattr(self, name) < 1:
@@ -210,7 +355,7 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if self.head_size % 2:
+        if self.head_size % 2 and self.mla is None:
             width = "head_dim" if self.head_dim is not None else "head dim (dim / n_heads)"
             raise ValueError(f"{width}={self.head_size} must be even for rotary")
         if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
@@ -219,11 +364,41 @@ class ModelConfig:
                 f"n_layers={self.n_layers}; lower it, or drop model.moe for a dense model"
             )
 
+    def _check_attention_kind(self) -> None:
+        if self.attention_kind not in get_args(AttentionKind):
+            raise ValueError(f'attention_kind={self.attention_kind!r}; choose "gqa" or "mla"')
+        if not isinstance(self.mla, MLAConfig | None):
+            raise ValueError(f"mla={self.mla!r} is not an MLAConfig or None")
+        if self.attention_kind == "gqa":
+            if self.mla is not None:
+                raise ValueError('mla is set, but attention_kind="gqa"; set attention_kind="mla"')
+            return
+        if self.mla is None:
+            raise ValueError('attention_kind="mla" needs mla = {kv_lora_rank, ...}')
+        for name, value, wrong in (
+            ("n_kv_heads", self.n_kv_heads, self.n_kv_heads != self.n_heads),
+            ("head_dim", self.head_dim, self.head_dim is not None),
+            ("qk_norm", self.qk_norm, self.qk_norm),
+        ):
+            if wrong:
+                need = {"n_kv_heads": f"n_heads={self.n_heads}", "head_dim": "none"}
+                raise ValueError(
+                    f'{name}={value!r} with attention_kind="mla": latent attention\'s shapes '
+                    f"are mla's; set {name} = {need.get(name, 'false')}"
+                )
+
+    @property
+    def rope_dim(self) -> int:
+        """The width of a head's rotated part: all of it, or MLA's `qk_rope_head_dim`."""
+        return self.head_size if self.mla is None else self.mla.qk_rope_head_dim
+
     @property
     def head_size(self) -> int:
         """The width of one attention head: `head_dim` where given, else dim // n_heads.
         (`head_dim` itself stays as given, so that a preset's derived width follows an
         overridden `dim` or `n_heads`.)"""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
     @property
@@ -238,6 +413,8 @@ class ModelConfig:
         kv = self.n_kv_heads * self.head_size
         attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv  # wq, wo, wk, wv
         attention += 2 * self.head_size * self.qk_norm  # the q and k norms' weights (per head)
+        if self.mla is not None:
+            attention = self.mla.num_params(self.dim, self.n_heads)
         total = self.dim + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         for layer in range(self.n_layers):  # + final norm and embeddings, above
             total += attention + self._ffn_params(layer, active) + 2 * self.dim  # two norms
@@ -260,7 +437,10 @@ class ModelConfig:
         heads x head width, `dim` unless `head_dim` sets it apart), as in the PaLM/Megatron
         estimates."""
         active = self.num_params(include_embeddings=False, active=True)
-        return 6 * active + 12 * self.n_layers * self.q_dim * seq_len
+        width = 2 * self.q_dim  # q·k and the weights times v, each q_dim wide a token
+        if self.mla is not None:
+            width = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
+        return 6 * active + 6 * self.n_layers * width * seq_len
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -3,7 +3,6 @@ plans live in `hp_runtime.parallel` and act on the module names used here."""
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
@@ -13,58 +12,10 @@ from hp_runtime.model.attention import Layout, attend
 from hp_runtime.model.config import ModelConfig
 from hp_runtime.model.ffn import FeedForward
 from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
+from hp_runtime.model.mla import LatentAttention
 from hp_runtime.model.moe import MoE
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def inverse_frequencies(
-    config: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The (head_dim/2,) rotary frequencies, under the config's scaling (Meta's
-    `apply_scaling` of Llama 3.1, elementwise): long wavelengths slowed `factor` times,
-    short ones kept, the band between interpolated."""
-    half = config.head_size // 2
-    exponents = torch.arange(0, half, device=device, dtype=dtype) / half
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    wavelength = 2 * math.pi / inv_freq
-    old = scaling.original_max_seq_len
-    smooth = (old / wavelength - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    slowed = torch.where(
-        wavelength > old / scaling.low_freq_factor, inv_freq / scaling.factor, between
-    )
-    return torch.where(wavelength < old / scaling.high_freq_factor, inv_freq, slowed)
-
-
-def rotary_tables(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin for every position up to max_seq_len, stacked: (2, max_seq_len, head_dim/2)."""
-    inv_freq = inverse_frequencies(config, device)
-    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
-    return torch.stack((angles.cos(), angles.sin()))
-
-
-def apply_rotary(x: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :half], x[..., half:]) of x (b, s, heads, head_dim) by position."""
-    cos = tables[0][positions].unsqueeze(2)  # (b, s, 1, half)
-    sin = tables[1][positions].unsqueeze(2)
-    first, second = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-    return rotated.type_as(x)
+from hp_runtime.model.norm import RMSNorm
+from hp_runtime.model.rotary import apply_rotary, positions_of, rotary_tables
 
 
 class Attention(nn.Module):
@@ -94,10 +45,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        positions = layout.positions
-        if positions is None:  # counted here, where the sequence is whole (after SP gathers)
-            rows = layout.rows if layout.rows is not None else torch.arange(seq, device=x.device)
-            positions = rows.unsqueeze(0)
+        positions = positions_of(layout, seq, x.device)
         q, k = apply_rotary(q, tables, positions), apply_rotary(k, tables, positions)
         # k and v keep their own (fewer) heads: the kernel shares them among q's.
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout)
@@ -108,7 +56,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config) if config.mla is None else LatentAttention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module = (
             MoE(config)

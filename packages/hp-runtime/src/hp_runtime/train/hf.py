@@ -29,8 +29,8 @@ from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.export_output import ExportTarget
 from hp_runtime.train.hf_config import MOE_SHAPE, config_json, read_config
-from hp_runtime.train.hf_families import Family, export_family, family_of
-from hp_runtime.train.hf_names import STACKED, hf_names, is_fused
+from hp_runtime.train.hf_families import DEEPSEEK_V3, Family, export_family, family_of
+from hp_runtime.train.hf_names import STACKED, hf_names, is_fused, rope_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -110,6 +110,8 @@ def _to_hf(
         balance = config.moe.load_balance if config.moe is not None else None
         if name.endswith("expert_bias") and balance != "bias":
             tensor = torch.zeros_like(tensor)  # hp chooses without it: so must the family
+        rows = rope_rows(config, name, to_hf=True)
+        tensor = tensor if rows is None else tensor[rows]
         stacked = STACKED.fullmatch(name) is not None
         for hf, part in zip(names, tensor.unbind(0) if stacked else [tensor], strict=True):
             kind = torch.float32 if hf.endswith(family.fp32) else DTYPES[dtype]
@@ -258,7 +260,7 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
     embedding as lm_head.weight in a tied model, and the rotary `inv_freq` buffers older
     transformers saved, when they equal hp's own frequencies."""
     from hp_runtime.model import Transformer
-    from hp_runtime.model.llama import inverse_frequencies
+    from hp_runtime.model.rotary import inverse_frequencies
 
     family = family_of(config)
     with torch.device("meta"):
@@ -268,6 +270,8 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
     unused = []
     for name in sorted(set(weights) - taken):
         tensor = weights[name]
+        if _is_mtp(family, config, name):  # left out, as transformers' model leaves them
+            continue
         if name == "lm_head.weight" and config.tie_embeddings:
             if torch.equal(tensor, weights.get("model.embed_tokens.weight", tensor[:0])):
                 continue
@@ -286,6 +290,12 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
             f"model.init_from: {directory} has tensors hp's {family.label} has no place for: "
             f"{', '.join(unused[:3])}{more}"
         )
+
+
+def _is_mtp(family: Family, config: ModelConfig, name: str) -> bool:
+    """A DeepSeek-V3 multi-token prediction layer's tensor: its layers after the model's."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return family is DEEPSEEK_V3 and match is not None and int(match.group(1)) >= config.n_layers
 
 
 def _full(
@@ -337,7 +347,8 @@ def _full(
     full = weights[sources[0]]
     if split:  # the gate's rows (w1), then the up projection's (w3)
         full = full.chunk(2, dim=1)[0 if name.endswith("w1") else 1]
-    return full.to(torch.float32)
+    rows = rope_rows(config, name, to_hf=False)
+    return (full if rows is None else full[rows]).to(torch.float32)
 
 
 @torch.no_grad()

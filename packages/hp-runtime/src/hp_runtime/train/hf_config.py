@@ -11,9 +11,9 @@ from hp_runtime.model import ModelConfig
 from hp_runtime.model.config import FieldError, RopeScaling
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.hf_families import (
-    _HF_SCALING,
     _REQUIRED,
     FAMILIES,
+    HF_SCALINGS,
     LLAMA,
     Family,
     _hf_rope,
@@ -99,22 +99,27 @@ MOE_SHAPE = (
 )  # fmt: skip
 
 
-def _scaling(path: str, key: str, rope: dict[str, Any]) -> RopeScaling:
-    """A `rope_type: "llama3"` dict as RopeScaling, every field given and checked."""
+def _scaling(path: str, key: str, rope: dict[str, Any], kind: str) -> RopeScaling:
+    """A `rope_type` "llama3" or "yarn" dict as RopeScaling, its fields checked; llama3 gives
+    every field, YaRN `factor` and `original_max_position_embeddings` (the rest default)."""
+    names = HF_SCALINGS[kind]
     values = {}
-    for name, field in _HF_SCALING.items():
+    for name, field in names.items():
+        required = kind == "llama3" or field in ("factor", "original_max_seq_len")
         if name not in rope:
+            if not required:
+                continue
+            need = ", ".join(n for n in names if kind == "llama3" or n in list(names)[:2])
             raise TrainError(
-                f'{path}: {key}.{name} is missing; rope_type "llama3" gives '
-                f"{', '.join(_HF_SCALING)}"
+                f"{path}: {key}.{name} is missing; rope_type {_json(kind)} gives {need}"
             )
         value = rope[name]  # JSON's 8 is the float 8.0 transformers reads
         numeric = type(value) is int and field != "original_max_seq_len"
         values[field] = float(value) if numeric else value
     try:
-        return RopeScaling(type="llama3", **values)
+        return RopeScaling(type=kind, **values)  # type: ignore[arg-type]
     except FieldError as exc:
-        name = {hp: hf for hf, hp in _HF_SCALING.items()}[exc.field]
+        name = {hp: hf for hf, hp in names.items()}[exc.field]
         raise TrainError(f"{path}: {key}.{name}={_json(exc.value)} {exc.problem}") from None
 
 
@@ -135,12 +140,18 @@ def _rope(path: str, hf: dict[str, Any], family: Family) -> tuple[float, RopeSca
         kind = rope.get("rope_type", rope.get("type", "default"))
         if "type" in rope and rope["type"] != kind:  # transformers' older name of rope_type
             raise TrainError(f"{path}: {key}.type and {key}.rope_type disagree")
-        if kind not in ("default", "llama3"):
+        if kind not in ("default", *HF_SCALINGS):
             raise TrainError(
-                f'{path}: {key}.rope_type={_json(kind)} is not supported; hp implements "default" '
-                'and "llama3"'
+                f'{path}: {key}.rope_type={_json(kind)} is not supported; hp implements "default", '
+                '"llama3" and "yarn"'
             )
-        takes = ["rope_type", "rope_theta", *(_HF_SCALING if kind == "llama3" else ())]
+        if kind == "yarn" and rope.get("truncate", True) is not True:
+            raise TrainError(
+                f"{path}: {key}.truncate={_json(rope['truncate'])} is not supported; hp's YaRN "
+                "rounds its ramp's bounds outwards (truncate true)"
+            )
+        takes = ["rope_type", "rope_theta", *HF_SCALINGS.get(kind, ())]
+        takes += ["truncate"] if kind == "yarn" else []
         for field in rope:
             if field not in (*takes, *family.rope_fields, "type"):
                 raise TrainError(
@@ -149,7 +160,7 @@ def _rope(path: str, hf: dict[str, Any], family: Family) -> tuple[float, RopeSca
                 )
         if "rope_theta" in rope:
             thetas[f"{key}.rope_theta"] = rope["rope_theta"]
-        scalings[key] = _scaling(path, key, rope) if kind == "llama3" else None
+        scalings[key] = _scaling(path, key, rope, kind) if kind in HF_SCALINGS else None
     for key, value in thetas.items():
         _positive(path, key, value, float)
     if len(set(thetas.values())) > 1:
@@ -222,6 +233,14 @@ def read_config(path: str, hf: Any) -> tuple[Family, dict[str, Any]]:
         if dividend % divisor:
             raise TrainError(f"{path}: {whole}={dividend} is not a multiple of {part}={divisor}")
     fields.update({"qk_norm": False, "moe": None, **family.read(path, hf, family)})
+    if fields.get("mla") is not None:  # transformers sets head_dim to the rotary part's width
+        rope = fields["mla"].qk_rope_head_dim
+        if hf.get("head_dim", rope) != rope:
+            raise TrainError(
+                f"{path}: head_dim={_json(hf['head_dim'])} is not qk_rope_head_dim={rope}, "
+                f"which transformers' {family.label} sets it to"
+            )
+        return family, _checked(path, fields)
     # A head's width is its own field (Qwen3's is not hidden_size / num_attention_heads);
     # absent, the family's transformers default, else hidden_size / num_attention_heads.
     head_dim = hf.get("head_dim", family.defaults.get("head_dim"))
@@ -230,8 +249,12 @@ def read_config(path: str, hf: Any) -> tuple[Family, dict[str, Any]]:
         dim, heads = fields["dim"], fields["n_heads"]
         if dim % heads or head_dim != dim // heads:  # else derived, as hp's own configs
             fields["head_dim"] = head_dim
+    return family, _checked(path, fields)
+
+
+def _checked(path: str, fields: dict[str, Any]) -> dict[str, Any]:
     try:
         ModelConfig(**fields)
     except ValueError as exc:
         raise TrainError(f"{path}: {exc}") from None
-    return family, fields
+    return fields

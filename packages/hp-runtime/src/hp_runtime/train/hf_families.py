@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hp_runtime.model import ModelConfig
-from hp_runtime.model.config import FieldError, MoEConfig
+from hp_runtime.model.config import FieldError, MLAConfig, MoEConfig
 from hp_runtime.train.errors import TrainError
 
 _REQUIRED = object()
@@ -372,6 +372,47 @@ def _read_glm4_moe(path: str, hf: dict[str, Any], family: Family) -> dict[str, A
     return {"qk_norm": _flag(path, hf, family, "use_qk_norm"), **_read_shared(path, hf, family)}
 
 
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _write_deepseek_v3(config: ModelConfig) -> dict[str, Any]:
+    """Latent attention (hp's rotary halves are DeepSeek's interleaved pairs, reordered by
+    the checkpoint's rows: `hf_names.rope_rows`) and DeepSeek-V3's routing; a dense model's
+    every layer in `first_k_dense_replace`. No multi-token prediction layers."""
+    mla = config.mla
+    assert mla is not None
+    shape = {name: getattr(mla, name) for name in _MLA_FIELDS}
+    fields = {**shape, "rope_interleave": True, "head_dim": mla.qk_rope_head_dim}
+    fields |= {"num_nextn_predict_layers": 0, "num_mtp_layers": 0, "attention_bias": False}
+    if config.moe is None:
+        return {
+            **fields,
+            "intermediate_size": config.ffn_hidden,
+            "first_k_dense_replace": config.n_layers,
+        }
+    return {**fields, **_write_shared(config)}
+
+
+def _read_deepseek_v3(path: str, hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """MLA's five fields and DeepSeek-V3's routing (`_read_shared`); every layer dense
+    where `first_k_dense_replace` covers them."""
+    values = {name: _get(path, hf, family, name) for name in _MLA_FIELDS}
+    try:
+        mla = MLAConfig(**values)
+    except FieldError as exc:
+        raise TrainError(f"{path}: {exc.field}={_json(exc.value)} {exc.problem}") from None
+    fields: dict[str, Any] = {"attention_kind": "mla", "mla": mla}
+    first = _get(path, hf, family, "first_k_dense_replace")
+    if (
+        isinstance(first, int)
+        and not isinstance(first, bool)
+        and first >= hf.get("num_hidden_layers", 0) > 0
+    ):
+        _dense_layers(fields, hf, path, first)
+        return fields
+    return {**fields, **_read_shared(path, hf, family)}
+
+
 _WINDOW_FIELDS = frozenset({"sliding_window", "max_window_layers", "layer_types"})
 _SHARED_FIELDS = frozenset(
     """intermediate_size moe_intermediate_size n_routed_experts num_local_experts
@@ -445,13 +486,35 @@ GLM4_MOE = Family(
                              "num_nextn_predict_layers", "num_mtp_layers"},
     bias=True, fp32=_FP32, rope_fields=("partial_rotary_factor",),
 )  # fmt: skip
-FAMILIES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DOTS1, GLM4_MOE)
+DEEPSEEK_V3 = Family(
+    "DeepseekV3ForCausalLM", "deepseek_v3", "DeepSeek-V3",
+    defaults=_defaults(128, 4096, 1e-6, 10000.0, first_k_dense_replace=3, norm_topk_prob=True,
+                       n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8,
+                       n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                       moe_intermediate_size=2048, intermediate_size=18432, q_lora_rank=1536,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                       v_head_dim=128),
+    fixed={"attention_bias": False, "rope_interleave": True, "pretraining_tp": 1},
+    write=_write_deepseek_v3, read=_read_deepseek_v3,
+    # MTP layers: transformers' model leaves them out, and so does hp's (`_check_extra`)
+    fields=_SHARED_FIELDS | {*_MLA_FIELDS, "num_nextn_predict_layers", "num_mtp_layers"},
+    bias=True, fp32=_FP32,
+)  # fmt: skip
+FAMILIES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DOTS1, GLM4_MOE, DEEPSEEK_V3)
 
 
 def family_of(config: ModelConfig) -> Family:
     """The family whose model is exactly `config`'s, else a one-line TrainError naming the
     key no family takes."""
     moe = config.moe
+    if config.mla is not None:
+        if moe is not None and moe.router == "softmax":
+            raise TrainError(
+                'model.moe.router = "softmax" with model.attention_kind = "mla" is in no '
+                'transformers family (DeepSeek-V3 routes by sigmoid); set router = "sigmoid"'
+            )
+        if moe is None:
+            return DEEPSEEK_V3
     if moe is None:
         return QWEN3 if config.qk_norm else LLAMA
     if moe.router == "softmax":
@@ -497,6 +560,8 @@ def family_of(config: ModelConfig) -> Family:
             "family (Dots1 and GLM-4-MoE, DeepSeek-V3's routing with hp's attention, always "
             "have shared experts)"
         )
+    if config.mla is not None:
+        return DEEPSEEK_V3
     return DOTS1 if config.qk_norm else GLM4_MOE
 
 
@@ -521,18 +586,31 @@ _HF_SCALING = {
     "high_freq_factor": "high_freq_factor",
     "original_max_position_embeddings": "original_max_seq_len",
 }
+# YaRN's: the first two required, the others optional (transformers' defaults where absent).
+_HF_YARN = {
+    "factor": "factor",
+    "original_max_position_embeddings": "original_max_seq_len",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+HF_SCALINGS = {"llama3": _HF_SCALING, "yarn": _HF_YARN}
 
 
 def _hf_rope(config: ModelConfig) -> dict[str, Any]:
     """The rotary fields of config.json: rope_theta and rope_scaling, which transformers 4
-    reads, and rope_parameters, which 5 reads (both as Meta's Llama 3.1 configs spell them)."""
+    reads, and rope_parameters, which 5 reads (both as Meta's Llama 3.1 and DeepSeek-V3's
+    configs spell them)."""
     scaling = config.rope_scaling
     if scaling is None:
         return {
             "rope_theta": config.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         }
-    rope = {"rope_type": "llama3", **{hf: getattr(scaling, hp) for hf, hp in _HF_SCALING.items()}}
+    fields = HF_SCALINGS[scaling.type].items()
+    given = {hf: getattr(scaling, hp) for hf, hp in fields if getattr(scaling, hp) is not None}
+    rope = {"rope_type": scaling.type, **given}
     return {
         "rope_theta": config.rope_theta,
         "rope_scaling": rope,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
+import torch
+
 from hp_runtime.model import ModelConfig
 from hp_runtime.train.hf_families import Family
 
@@ -32,6 +34,17 @@ _ATTENTION = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Latent attention's, as DeepSeek-V3's checkpoints name them (hp's names are torchtitan's).
+_MLA = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+}
 # A SwiGLU's weights as HF's MLPs name them (dense layers, shared experts, Qwen's experts).
 _SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 STACKED = re.compile(r"layers\.\d+\.feed_forward\.experts\.w[123]")  # (experts, ...)
@@ -48,6 +61,8 @@ def hf_names(family: Family, config: ModelConfig, name: str, fused: bool = False
     if match is None:
         raise KeyError(f"no HF name for {name}")
     layer, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if config.mla is not None and rest in _MLA:
+        return [layer + _MLA[rest]]
     if rest in _ATTENTION:
         return [layer + _ATTENTION[rest]]
     part = re.fullmatch(r"feed_forward\.(w[123])\.weight", rest)
@@ -78,3 +93,23 @@ def is_fused(names: Collection[str], name: str) -> bool:
         return False
     block = f"model.layers.{match.group(1)}.mlp.experts"
     return f"{block}.gate_up_proj" in names or f"{block}.down_proj" in names
+
+
+def rope_rows(config: ModelConfig, name: str, to_hf: bool) -> torch.Tensor | None:
+    """The row order taking hp's tensor `name` to DeepSeek's checkpoint (`to_hf`) or back;
+    None where the rows keep their order. DeepSeek rotates interleaved pairs (x0, y0, x1, y1,
+    ...) of a head's rotary columns, hp the halves (x0, x1, ..., y0, y1, ...), as transformers
+    does (`rope_interleave`): the projections making those columns are reordered to match."""
+    mla = config.mla
+    if mla is None or not name.endswith(
+        ("attention.wq.weight", "attention.wq_b.weight", "attention.wkv_a.weight")
+    ):
+        return None
+    width, half = mla.qk_rope_head_dim, mla.qk_rope_head_dim // 2
+    j = torch.arange(width)
+    order = j // 2 + half * (j % 2) if to_hf else torch.cat([2 * j[:half], 2 * j[:half] + 1])
+    if name.endswith("attention.wkv_a.weight"):
+        return torch.cat([torch.arange(mla.kv_lora_rank), mla.kv_lora_rank + order])
+    rows = torch.arange(config.n_heads * mla.qk_head_dim).view(config.n_heads, mla.qk_head_dim)
+    rows[:, mla.qk_nope_head_dim :] = rows[:, mla.qk_nope_head_dim :][:, order]
+    return rows.flatten()
