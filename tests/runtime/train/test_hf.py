@@ -521,7 +521,7 @@ LLAMA_31_ROPE = {
         ({"pretraining_tp": 2}, "pretraining_tp=2 is not supported; hp's Llama has "
          "pretraining_tp=1 only"),
         ({"model_type": "mistral"}, 'model_type="mistral" is not supported; hp reads "llama", '
-         '"qwen3", "mixtral", "qwen3_moe", "dots1", "glm4_moe"'),
+         '"qwen3", "mixtral", "qwen3_moe", "dots1", "glm4_moe", "deepseek_v3"'),
         ({"architectures": ["LlamaForSequenceClassification"]},
          'architectures=["LlamaForSequenceClassification"]; hp loads LlamaForCausalLM'),
         ({"rope_scaling": LLAMA_31_ROPE}, "rope_parameters and rope_scaling disagree; give one "
@@ -549,8 +549,26 @@ LLAMA_31_ROPE = {
          "original_max_position_embeddings)"),
         ({"rope_parameters": {**LLAMA_31_ROPE, "type": "linear"}},
          "rope_parameters.type and rope_parameters.rope_type disagree"),
+        ({"rope_scaling": {**LLAMA_31_ROPE, "rope_type": "longrope"}},
+         'rope_scaling.rope_type="longrope" is not supported; hp implements "default", '
+         '"llama3" and "yarn"'),
         ({"rope_scaling": {**LLAMA_31_ROPE, "rope_type": "yarn"}},
-         'rope_scaling.rope_type="yarn" is not supported; hp implements "default" and "llama3"'),
+         'rope_scaling.low_freq_factor=1.0 is not supported (rope_type "yarn" takes rope_type, '
+         "rope_theta, factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, "
+         "mscale_all_dim, truncate)"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+         'rope_parameters.original_max_position_embeddings is missing; rope_type "yarn" gives '
+         "factor, original_max_position_embeddings"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False,
+                              "original_max_position_embeddings": 64}},
+         "rope_parameters.truncate=false is not supported; hp's YaRN rounds its ramp's bounds "
+         "outwards (truncate true)"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1,
+                              "original_max_position_embeddings": 64}},
+         "rope_parameters.beta_fast=1.0 must be more than beta_slow=1.0"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": -1,
+                              "original_max_position_embeddings": 64}},
+         "rope_parameters.mscale=-1.0 must be at least 0"),
         ({"rope_scaling": [LLAMA_31_ROPE]}, f"rope_scaling=[{json.dumps(LLAMA_31_ROPE)}] must "
          "be an object with a rope_type"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},

@@ -79,6 +79,48 @@ def test_rotary_tables_equal_transformers(dim, heads, theta, scaling):
         assert ((ratio > 1 / 8 + 1e-3) & (ratio < 1 - 1e-3)).any()
 
 
+YARN_CASES = [  # (beta_fast, beta_slow, mscale, mscale_all_dim): defaults, DeepSeek-V3's, others
+    (None, None, None, None),
+    (32.0, 1.0, 1.0, 1.0),
+    (None, None, 0.707, 1.0),
+    (16.0, 2.0, 1.0, 0.8),
+]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("beta_fast", "beta_slow", "mscale", "mscale_all_dim"), YARN_CASES)
+def test_yarn_tables_equal_transformers(mla, beta_fast, beta_slow, mscale, mscale_all_dim):
+    """YaRN's cos and sin (times its attention factor) equal transformers' own rotary
+    embedding: Llama's (a whole head rotated) and DeepSeek-V3's (MLA's rotated part)."""
+    transformers = pytest.importorskip("transformers")
+    from hp_runtime.model.config import MLAConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    given = {"beta_fast": beta_fast, "beta_slow": beta_slow, "mscale": mscale,
+             "mscale_all_dim": mscale_all_dim}  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    scaling = RopeScaling("yarn", 40.0, original_max_seq_len=64, **given)
+    shape = {"dim": 64, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 512, "rope_theta": 1e4}
+    rope = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+            "rope_theta": 1e4, **given}  # fmt: skip
+    common = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 512}
+    if mla:
+        config = ModelConfig(**shape, rope_scaling=scaling, attention_kind="mla",
+                             mla=MLAConfig(32, 16, 8, 16, q_lora_rank=24))  # fmt: skip
+        hf = DeepseekV3RotaryEmbedding(transformers.DeepseekV3Config(
+            **common, qk_rope_head_dim=8, qk_nope_head_dim=16, rope_parameters=rope))  # fmt: skip
+    else:
+        config = ModelConfig(**shape, rope_scaling=scaling)
+        hf = LlamaRotaryEmbedding(transformers.LlamaConfig(**common, rope_parameters=rope))
+    cos, sin = hf(torch.zeros(1), torch.arange(512)[None])
+    half = config.rope_dim // 2
+    tables = rotary_tables(config)
+    np.testing.assert_allclose(tables[0], cos[0, :, :half], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(tables[1], sin[0, :, :half], atol=1e-6, rtol=0)
+    assert hf.attention_scaling == pytest.approx(scaling.attention_factor(), rel=1e-12)
+
+
 def test_the_inv_freq_older_transformers_saved_is_taken_only_at_the_scaled_frequencies():
     """Older transformers saved each layer's rotary `inv_freq`: hp takes it as nothing new
     when it is the scaled frequencies (transformers' own), and names it when it is not."""
@@ -219,7 +261,8 @@ def _without(field: str) -> dict:
     return {k: v for k, v in TABLE.items() if k != field}
 
 
-FIELDS = ", ".join(TABLE)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 32}
+FIELDS = ", ".join([*TABLE, "beta_fast", "beta_slow", "mscale", "mscale_all_dim"])
 # Generated bad values of every field: a wrong type, out of range, a relation broken.
 WRONG_TYPES = {
     "type": [3, True, 8.0, ["llama3"]],
@@ -250,13 +293,39 @@ def test_every_bad_rope_scaling_is_one_line_naming_its_field():
     assert low_above == (
         "model.rope_scaling.high_freq_factor: must be more than low_freq_factor=5.0, got 4.0"
     )
-    for field in TABLE:
+    for field in ("type", "factor"):  # required whatever the type
         assert _bad(_without(field)) == (
-            f"model.rope_scaling.{field}: required; model.rope_scaling gives all of {FIELDS}"
+            f"model.rope_scaling.{field}: required; model.rope_scaling needs type, factor (the "
+            "other fields have defaults)"
         )
-    assert _bad({**TABLE, "type": "yarn"}) == (
-        "model.rope_scaling.type: expected one of 'llama3', got 'yarn'"
+    for field in ("low_freq_factor", "high_freq_factor", "original_max_seq_len"):
+        assert _bad(_without(field)) == (
+            f"model.rope_scaling.{field}: required with type 'llama3'"
+        )
+    assert _bad({"type": "yarn", "factor": 4.0}) == (
+        "model.rope_scaling.original_max_seq_len: required with type 'yarn'"
     )
+    assert _bad({**TABLE, "type": "ntk"}) == (
+        "model.rope_scaling.type: expected one of 'llama3', 'yarn', got 'ntk'"
+    )
+    assert _bad({**TABLE, "type": "yarn"}) == (
+        "model.rope_scaling.low_freq_factor: is not a field of type 'yarn', got 1.0"
+    )
+    assert _bad({**TABLE, "beta_fast": 32.0}) == (
+        "model.rope_scaling.beta_fast: is not a field of type 'llama3', got 32.0"
+    )
+    for field, value, problem in (
+        ("beta_fast", 0.5, "must be more than beta_slow=1.0, got 0.5"),
+        ("beta_slow", 0.0, "must be more than 0, got 0.0"),
+        ("beta_slow", 40.0, "must be more than beta_slow=40.0, got 32.0"),
+        ("mscale", -0.1, "must be at least 0, got -0.1"),
+        ("mscale_all_dim", -1.0, "must be at least 0, got -1.0"),
+        ("factor", 0.5, "must be at least 1, got 0.5"),
+    ):
+        named = "beta_fast" if "beta_slow=" in problem else field
+        assert _bad({**YARN, field: value}) == f"model.rope_scaling.{named}: {problem}"
+    for field in ("beta_fast", "mscale"):
+        assert _bad({**YARN, field: "1"}).startswith(f"model.rope_scaling.{field}: expected ")
     assert _bad({**TABLE, "factr": 8.0}) == (
         "model.rope_scaling.factr: unknown field; did you mean model.rope_scaling.factor? "
         f"its fields: {FIELDS}"
@@ -301,7 +370,10 @@ def test_drawn_rope_scaling_tables_load_or_fail_in_one_line_naming_a_field(field
         assert named == "model.rope_scaling" or named.split(".")[2] in {*table, *TABLE}, message
         return
     assert isinstance(config.model.rope_scaling, RopeScaling)
-    assert set(table) == set(TABLE)
+    if table["type"] == "llama3":
+        assert set(table) == set(TABLE)
+    else:  # yarn's own fields all have defaults; llama3's are refused
+        assert set(table) <= {"type", "factor", "original_max_seq_len"}
 
 
 def test_the_model_config_refuses_what_is_not_a_scaling():

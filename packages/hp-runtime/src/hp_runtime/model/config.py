@@ -55,15 +55,13 @@ class RopeScaling:
 
     type: RopeKind
     factor: float
-    original_max_seq_len: int
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
+    original_max_seq_len: int = None  # type: ignore[assignment]  # required: checked below
     beta_fast: float | None = None
     beta_slow: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
-    # config.toml's order: llama3's as hp has always written it (resumes compare tables)
-    order = ("type", "factor", *_LLAMA3_FIELDS, "original_max_seq_len", *_YARN_FIELDS)
 
     def __post_init__(self) -> None:
         if self.type not in get_args(RopeKind):
@@ -75,6 +73,8 @@ class RopeScaling:
         if self.factor < 1:
             raise FieldError("factor", self.factor, "must be at least 1")
         length = self.original_max_seq_len
+        if length is None:
+            raise FieldError("original_max_seq_len", length, f"required with type {self.type!r}")
         if not isinstance(length, int) or isinstance(length, bool):
             raise FieldError("original_max_seq_len", length, "must be an integer")
         if length < 1:
@@ -86,11 +86,11 @@ class RopeScaling:
         )
         for name in others:
             if getattr(self, name) is not None:
-                raise FieldError(name, getattr(self, name), f'is not a field of type "{self.type}"')
+                raise FieldError(name, getattr(self, name), f"is not a field of type {self.type!r}")
         for name in mine:
             value = getattr(self, name)
             if value is None and self.type == "llama3":
-                raise FieldError(name, value, 'is required with type "llama3"')
+                raise FieldError(name, value, "required with type 'llama3'")
             if value is not None and not _number(value):
                 raise FieldError(name, value, "must be a number")
         if self.type == "llama3":
@@ -296,8 +296,8 @@ class MLAConfig:
 
 
 # Meta's scaling of Llama 3.1 (8B, 70B, 405B) and of Llama 3.2 (1B, 3B).
-LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
-LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,14 @@ shards, the router, shared and routed experts replicated (each tp rank routes ev
 alike; expert parallelism, not TP, splits the experts), and its output split back into the
 sequence shards (a split, no sum; its backward gathers the identical gradients).
 
+Latent attention (`model/mla.py`) splits its heads the same way: the query projection
+(`wq`, or `wq_b` after the replicated `wq_a` and `q_norm`) and `wkv_b` by columns, `wo` by
+rows; `wkv_a` and `kv_norm`, whose latent every head reads, run whole on each rank on the
+gathered sequence. Their gradients must be whole too: the latent's arrive summed over the
+ranks' heads through `wkv_b`'s input, but the rotated key `wkv_a` also makes is shared by
+every head and used on each rank by its own heads only, so its gradient columns are summed
+over the tp group where `wkv_a`'s output meets autograd (`_SumRopeGrad`).
+
 With `reduce_dtype` (float32 under bf16 parameters) the row-wise projections keep their
 partial products in that dtype: the local matmul writes fp32, the partial sums are
 reduce-scattered in fp32 and rounded to bf16 once, after the sum, instead of rounding every
@@ -28,6 +36,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -40,6 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hp_runtime.model.mla import LatentAttention
 from hp_runtime.model.moe import MoE, compute_dtype
 from hp_runtime.parallel.float8 import is_float8
 
@@ -96,6 +106,44 @@ class RowwiseParallelReduced(RowwiseParallel):
 
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         return module
+
+
+class _SumRopeGrad(torch.autograd.Function):
+    """Identity forward; the backward sums columns `start:` of the gradient (the rotated key's,
+    used by each rank's own heads) over the tp group, leaving the latent's (summed already)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        rope = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(rope, group=ctx.group)
+        return torch.cat((grad[..., : ctx.start], rope), dim=-1), None, None
+
+
+def _latent_attention_plan(
+    attention: LatentAttention, styles: _Styles, mesh: DeviceMesh
+) -> dict[str, object]:
+    """MLA's heads split (see above); the input gathered and handed on as a plain tensor, which
+    the replicated `wq_a` and `wkv_a` take."""
+    group, start = mesh.get_group(), attention.kv_rank
+    attention.wkv_a.register_forward_hook(
+        lambda _module, _args, out: _SumRopeGrad.apply(out, start, group)
+    )
+    query = "wq" if attention.wq is not None else "wq_b"
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        ),
+        f"attention.{query}": styles.colwise(attention.get_submodule(query)),
+        "attention.wkv_b": styles.colwise(attention.wkv_b),
+        "attention.wo": styles.rowwise(attention.wo),
+    }
 
 
 class _Styles:
@@ -183,18 +231,24 @@ def apply_tp(
                 )
             }
         attention = block.attention
+        if isinstance(attention, LatentAttention):
+            heads = _latent_attention_plan(attention, styles, mesh)
+        else:
+            heads = {
+                "attention": styles.prepare(
+                    attention,
+                    ("wq", "wk", "wv"),
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "attention.wq": styles.colwise(attention.wq),
+                "attention.wk": styles.colwise(attention.wk),
+                "attention.wv": styles.colwise(attention.wv),
+                "attention.wo": styles.rowwise(attention.wo),
+            }
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": styles.prepare(
-                attention,
-                ("wq", "wk", "wv"),
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "attention.wq": styles.colwise(attention.wq),
-            "attention.wk": styles.colwise(attention.wk),
-            "attention.wv": styles.colwise(attention.wv),
-            "attention.wo": styles.rowwise(attention.wo),
+            **heads,
             "ffn_norm": SequenceParallel(),
             **ffn,
         }

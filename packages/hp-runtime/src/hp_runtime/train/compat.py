@@ -30,7 +30,11 @@ INIT_ONLY = {"init_std", "attention"}
 # model.moe's fields a resume may change: the balancing's rates (the bias the checkpoint holds
 # goes on from where it is); every other field shapes or routes the model.
 MOE_MAY_CHANGE = {"aux_loss_coef", "bias_update_rate"}
-TABLES = ("rope_scaling", "moe")  # the model's table keys, compared as config.toml writes them
+TABLES = (
+    "rope_scaling",
+    "moe",
+    "mla",
+)  # the model's table keys, compared as config.toml writes them
 
 
 def saved_section(meta: dict[str, Any], name: str) -> dict[str, Any]:

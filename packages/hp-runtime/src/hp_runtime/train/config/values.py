@@ -201,4 +201,6 @@ def _table(key: str, cls: type, values: dict[str, Any]) -> Any:
     try:
         return cls(**{f.name: typed[key_of(f)] for f in key_fields(cls) if key_of(f) in typed})
     except (FieldError, PhaseError) as exc:
+        if exc.value is None and exc.field not in values:  # required only with some values
+            raise ConfigError(f"{key}.{exc.field}: {exc.problem}") from None
         raise ConfigError(f"{key}.{exc.field}: {exc.problem}, got {exc.value!r}") from None
