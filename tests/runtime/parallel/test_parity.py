@@ -23,6 +23,8 @@ LAYOUTS = {
     "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, {}, None),
     "tp2": (2, {"tp": 2}, {}, None),
     "tp2-tied": (2, {"tp": 2}, TIED, None),
+    # per-head q and k norms (Qwen3): each rank's heads give part of their weights' gradient
+    "tp2-qk-norm": (2, {"tp": 2}, {"qk_norm": True}, None),
     "tp2-loss-parallel": (2, {"tp": 2}, {}, {"loss_parallel": True}),
     "fsdp2-tied": (2, {"dp_shard": 2}, TIED, None),
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, {}, None),

@@ -10,6 +10,10 @@ shards, the router, shared and routed experts replicated (each tp rank routes ev
 alike; expert parallelism, not TP, splits the experts), and its output split back into the
 sequence shards (a split, no sum; its backward gathers the identical gradients).
 
+The per-head q and k norms (`qk_norm`) act on each rank's heads: their weights are replicated
+DTensors over inputs sharded by head (SequenceParallel along dim 2), so that their gradients,
+each rank's part from its own heads, are summed over the tp group.
+
 Latent attention (`model/mla.py`) splits its heads the same way: the query projection
 (`wq`, or `wq_b` after the replicated `wq_a` and `q_norm`) and `wkv_b` by columns, `wo` by
 rows; `wkv_a` and `kv_norm`, whose latent every head reads, run whole on each rank on the
@@ -246,6 +250,9 @@ def apply_tp(
                 "attention.wv": styles.colwise(attention.wv),
                 "attention.wo": styles.rowwise(attention.wo),
             }
+            if attention.q_norm is not None:  # per head, on each rank's heads (dim 2)
+                heads["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+                heads["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan = {
             "attention_norm": SequenceParallel(),
             **heads,
