@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from hp_runtime.model import ModelConfig
-from hp_runtime.model.config import MoEConfig
+from hp_runtime.model.config import MLAConfig, MoEConfig, RopeScaling
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.train import FAST, hp_train_here, train_ranks
@@ -38,10 +38,20 @@ HP = {
     "glm4_moe": {"moe": MoEConfig(4, 2, 16, shared_experts=1, router="sigmoid",
                                   renormalize=False)},
     "qwen3": {"qk_norm": True},
+    # latent attention (q through its latent, v wider than q's nope part), YaRN with
+    # DeepSeek's softmax factor, a dense first layer, group-limited sigmoid routing
+    "deepseek_v3": {"n_kv_heads": 4, "attention_kind": "mla",
+                    "mla": MLAConfig(16, 8, 4, 12, q_lora_rank=24),
+                    "rope_scaling": RopeScaling("yarn", 4.0, original_max_seq_len=8, mscale=1.0,
+                                                mscale_all_dim=0.8),
+                    "moe": MoEConfig(8, 2, 16, shared_experts=1, router="sigmoid",
+                                     route_scale=2.5, first_dense_layers=1,
+                                     load_balance="bias", groups=4, topk_groups=2)},
 }  # fmt: skip
 ARCHITECTURE = {
     "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "dots1": "Dots1ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }  # fmt: skip
 _COMMON = {
     "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -68,12 +78,21 @@ HF = {
                                    "norm_topk_prob": False, "use_qk_norm": False,
                                    "partial_rotary_factor": 1.0}),
     "qwen3": ("Qwen3Config", {"intermediate_size": 48, "head_dim": 8}),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "intermediate_size": 48, "moe_intermediate_size": 16, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 12,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 8, "mscale": 1.0,
+                            "mscale_all_dim": 0.8}}),
 }  # fmt: skip
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
 def _config(family: str) -> ModelConfig:
-    return ModelConfig(**TINY, **HP[family])
+    return ModelConfig(**{**TINY, **HP[family]})
 
 
 def _moe(family: str, **fields) -> ModelConfig:
@@ -114,7 +133,7 @@ def _hp_logits(model) -> np.ndarray:
 
 def _hf_model(family: str, seed: int = 7):
     cls, fields = HF[family]
-    config = getattr(transformers, cls)(**_COMMON, **copy.deepcopy(fields))
+    config = getattr(transformers, cls)(**{**_COMMON, **copy.deepcopy(fields)})
     model = getattr(transformers, ARCHITECTURE[family])(config)
     moe = HP[family].get("moe")
     balanced = moe is not None and moe.load_balance == "bias"
@@ -337,13 +356,18 @@ def test_a_config_json_without_defaults_reads_as_transformers_reads_it(hf_dirs, 
     # Qwen3's head_dim defaults to 128, not hidden / heads: hp reads it as its own field.
     head_dim = getattr(reference, "head_dim", None)
     heads, dim = fields["n_heads"], fields["dim"]
-    assert fields.get("head_dim") == (None if head_dim in (None, dim // heads) else head_dim)
+    if family == "deepseek_v3":  # transformers' head_dim is MLA's rotated part
+        assert fields.get("head_dim") is None and fields["mla"].qk_rope_head_dim == head_dim
+    else:
+        assert fields.get("head_dim") == (None if head_dim in (None, dim // heads) else head_dim)
     assert fields["max_seq_len"] == reference.max_position_embeddings
     assert fields["norm_eps"] == reference.rms_norm_eps
     assert fields["rope_theta"] == reference.rope_parameters["rope_theta"]
     wide = {k: v for k, v in bare.items() if k != "num_key_value_heads"}
     wide.update(num_attention_heads=64, hidden_size=512, head_dim=8)  # any default divides
     kv = cls(**{k: v for k, v in wide.items() if k != "model_type"}).num_key_value_heads
+    if family == "deepseek_v3":  # MLA's k and v: a head for each query head, whatever it says
+        kv = wide["num_attention_heads"]
     assert _read(tmp_path, wide)["n_kv_heads"] == kv
     assert fields["tie_embeddings"] == reference.tie_word_embeddings
     moe = fields["moe"]

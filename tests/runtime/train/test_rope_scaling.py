@@ -299,9 +299,7 @@ def test_every_bad_rope_scaling_is_one_line_naming_its_field():
             "other fields have defaults)"
         )
     for field in ("low_freq_factor", "high_freq_factor", "original_max_seq_len"):
-        assert _bad(_without(field)) == (
-            f"model.rope_scaling.{field}: required with type 'llama3'"
-        )
+        assert _bad(_without(field)) == (f"model.rope_scaling.{field}: required with type 'llama3'")
     assert _bad({"type": "yarn", "factor": 4.0}) == (
         "model.rope_scaling.original_max_seq_len: required with type 'yarn'"
     )

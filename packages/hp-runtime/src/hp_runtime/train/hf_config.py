@@ -228,19 +228,15 @@ def read_config(path: str, hf: Any) -> tuple[Family, dict[str, Any]]:
             _positive(path, key, value, float if field == "norm_eps" else int)
         fields[field] = value
     fields["rope_theta"], fields["rope_scaling"] = _rope(path, hf, family)
-    for whole, part in (("num_attention_heads", "num_key_value_heads"),):
-        dividend, divisor = fields[_SHAPE[whole][0]], fields[_SHAPE[part][0]]
-        if dividend % divisor:
-            raise TrainError(f"{path}: {whole}={dividend} is not a multiple of {part}={divisor}")
     fields.update({"qk_norm": False, "moe": None, **family.read(path, hf, family)})
-    if fields.get("mla") is not None:  # transformers sets head_dim to the rotary part's width
-        rope = fields["mla"].qk_rope_head_dim
-        if hf.get("head_dim", rope) != rope:
-            raise TrainError(
-                f"{path}: head_dim={_json(hf['head_dim'])} is not qk_rope_head_dim={rope}, "
-                f"which transformers' {family.label} sets it to"
-            )
+    if fields.get("mla") is not None:  # MLA's shapes are its own: transformers' DeepSeek-V3
+        fields["n_kv_heads"] = fields["n_heads"]  # ignores num_key_value_heads, and head_dim
         return family, _checked(path, fields)
+    heads, kv = fields["n_heads"], fields["n_kv_heads"]
+    if heads % kv:
+        raise TrainError(
+            f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+        )
     # A head's width is its own field (Qwen3's is not hidden_size / num_attention_heads);
     # absent, the family's transformers default, else hidden_size / num_attention_heads.
     head_dim = hf.get("head_dim", family.defaults.get("head_dim"))

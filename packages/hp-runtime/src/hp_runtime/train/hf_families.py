@@ -397,10 +397,18 @@ def _read_deepseek_v3(path: str, hf: dict[str, Any], family: Family) -> dict[str
     """MLA's five fields and DeepSeek-V3's routing (`_read_shared`); every layer dense
     where `first_k_dense_replace` covers them."""
     values = {name: _get(path, hf, family, name) for name in _MLA_FIELDS}
+    if "q_lora_rank" in hf:  # null is a full-rank query projection, not the default rank
+        values["q_lora_rank"] = hf["q_lora_rank"]
     try:
         mla = MLAConfig(**values)
     except FieldError as exc:
         raise TrainError(f"{path}: {exc.field}={_json(exc.value)} {exc.problem}") from None
+    derived = hf.get("qk_head_dim")  # what transformers 5 writes: nope + rope, derived
+    if derived is not None and not _same(derived, mla.qk_head_dim):
+        raise TrainError(
+            f"{path}: qk_head_dim={_json(derived)} is not qk_nope_head_dim + qk_rope_head_dim"
+            f" = {mla.qk_head_dim}"
+        )
     fields: dict[str, Any] = {"attention_kind": "mla", "mla": mla}
     first = _get(path, hf, family, "first_k_dense_replace")
     if (
@@ -497,7 +505,8 @@ DEEPSEEK_V3 = Family(
     fixed={"attention_bias": False, "rope_interleave": True, "pretraining_tp": 1},
     write=_write_deepseek_v3, read=_read_deepseek_v3,
     # MTP layers: transformers' model leaves them out, and so does hp's (`_check_extra`)
-    fields=_SHARED_FIELDS | {*_MLA_FIELDS, "num_nextn_predict_layers", "num_mtp_layers"},
+    fields=_SHARED_FIELDS | {*_MLA_FIELDS, "qk_head_dim", "num_nextn_predict_layers",
+                             "num_mtp_layers"},
     bias=True, fp32=_FP32,
 )  # fmt: skip
 FAMILIES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DOTS1, GLM4_MOE, DEEPSEEK_V3)
