@@ -114,11 +114,11 @@ class RopeScaling:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise FieldError(name, value, "must be more than 0")
-        if self.fast_rotations <= self.slow_rotations:
+        if self.fast_rotations < self.slow_rotations:  # equal: a step (Kimi K2's 1 and 1)
             raise FieldError(
                 "beta_fast",
                 self.fast_rotations,
-                f"must be more than beta_slow={self.slow_rotations!r}",
+                f"must be at least beta_slow={self.slow_rotations!r}",
             )
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
@@ -545,6 +545,56 @@ PRESETS: dict[str, ModelConfig] = {
         moe=MoEConfig(experts=64, top_k=8, expert_ffn_hidden=1024, renormalize=False),
     ),
 }
+
+
+# DeepSeek-V3's YaRN: 4,096 positions read 40 times as far, the softmax scaled by mscale².
+DEEPSEEK_V3_YARN = RopeScaling(
+    "yarn", 40.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+    mscale_all_dim=1.0,
+)  # fmt: skip
+# The DeepSeek-V3 family (`DeepseekV3ForCausalLM`): latent attention, sigmoid routing with
+# the balancing bias over shared and routed experts, a few dense layers first. The shapes of
+# deepseek-ai/DeepSeek-V3's, moonshotai/Moonlight-16B-A3B's and moonshotai/Kimi-K2-Base's
+# config.json; "deepseek-v3-tiny" has every feature on at CPU size.
+_DEEPSEEK_MLA = MLAConfig(512, 128, 64, 128, q_lora_rank=1536)
+PRESETS.update({
+    "deepseek-v3-tiny": ModelConfig(
+        vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=4, ffn_hidden=128,
+        max_seq_len=256, norm_eps=1e-6, attention_kind="mla",
+        mla=MLAConfig(32, 16, 8, 16, q_lora_rank=48),
+        rope_scaling=RopeScaling("yarn", 4.0, original_max_seq_len=64, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        moe=MoEConfig(experts=8, top_k=2, expert_ffn_hidden=32, shared_experts=1,
+                      router="sigmoid", route_scale=2.5, first_dense_layers=1,
+                      load_balance="bias", groups=4, topk_groups=2),
+    ),
+    "deepseek-v3-671b": ModelConfig(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+        ffn_hidden=18432, max_seq_len=163840, rope_theta=10000.0,
+        rope_scaling=DEEPSEEK_V3_YARN, norm_eps=1e-6, attention_kind="mla", mla=_DEEPSEEK_MLA,
+        moe=MoEConfig(experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1,
+                      router="sigmoid", route_scale=2.5, first_dense_layers=3,
+                      load_balance="bias", groups=8, topk_groups=4),
+    ),
+    "moonlight-16b-a3b": ModelConfig(
+        vocab_size=163840, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_hidden=11264,
+        max_seq_len=8192, rope_theta=50000.0, norm_eps=1e-5, attention_kind="mla",
+        mla=MLAConfig(512, 128, 64, 128),
+        moe=MoEConfig(experts=64, top_k=6, expert_ffn_hidden=1408, shared_experts=2,
+                      router="sigmoid", route_scale=2.446, first_dense_layers=1,
+                      load_balance="bias"),
+    ),
+    "kimi-k2-1t": ModelConfig(
+        vocab_size=163840, dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, ffn_hidden=18432,
+        max_seq_len=131072, rope_theta=50000.0,
+        rope_scaling=RopeScaling("yarn", 32.0, original_max_seq_len=4096, beta_fast=1.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        norm_eps=1e-6, attention_kind="mla", mla=_DEEPSEEK_MLA,
+        moe=MoEConfig(experts=384, top_k=8, expert_ffn_hidden=2048, shared_experts=1,
+                      router="sigmoid", route_scale=2.827, first_dense_layers=1,
+                      load_balance="bias"),
+    ),
+})  # fmt: skip
 
 
 def preset(name: str, **overrides: object) -> ModelConfig:
