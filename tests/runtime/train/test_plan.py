@@ -152,3 +152,38 @@ def test_float8_all_gather_halves_the_converted_weights_traffic():
         assert a["activation_bytes"] == b["activation_bytes"] == c["activation_bytes"]
         per_block = blocks // config.n_layers
         assert a["gathered_bytes"] - c["gathered_bytes"] == 2 * per_block * (2 - 1)
+
+
+DEEPSEEK_2048 = [
+    "model.preset=deepseek-v3-671b", "data.type=dummy", "data.seq_length=4096",
+    "parallel.dp_shard=128", "parallel.ep=64", "parallel.pp=16", "train.micro_batch_size=1",
+    "train.global_batch_size=4096", "parallel.activation_checkpointing=full", "train.steps=1",
+]  # fmt: skip
+
+
+def test_deepseek_v3_671b_plans_on_2048_ranks():
+    """DeepSeek-V3's own layout (pp 16 x ep 64 over 2,048 GPUs; FSDP where it had ZeRO-1)
+    builds, and expert parallelism's shards stay shards in FSDP's gathers: a MoE block gathers
+    its own 256 / 64 experts (before, all 256: 86 GiB where this is a few), and each
+    parameter's gather sends to the other ranks of its own group (128 for the dense ones,
+    128 / 64 for the experts). Expected from the shapes, written here from DeepSeek's config."""
+    from hp_runtime.train.plan import plan
+
+    report = plan(load_config(None, DEEPSEEK_2048), 2048)
+    assert report["layout"]["ep"] == 64 and report["micro_batches"] == 32
+    dim, experts, hidden = 7168, 256, 2048
+    mla = dim * 1536 + 1536 + 1536 * 128 * 192 + dim * (512 + 64) + 512 + 512 * 128 * 256
+    mla += 128 * 128 * dim  # wq_a, q norm, wq_b, wkv_a, kv norm, wkv_b, wo
+    moe_block = mla + 2 * dim + dim * experts + 3 * dim * hidden * (1 + experts // 64)
+    middle = next(t for t in report["rank_types"] if t["stage"] == 1)
+    assert middle["gathered_bytes"] == moe_block * (2 * 2 + 4)  # bf16 gathered, fp32 grads
+    assert middle["layers"] == 4  # 61 layers over 16 stages: the first 13 hold 4
+    experts_sent = 3 * dim * hidden * (experts // 64) // 2 * (2 - 1)  # a group of 2 ranks
+    rows = {  # the dense weights' (rows, columns): each rank's rows padded to ceil(rows / 128)
+        "wq_a": (1536, dim), "q_norm": (1536, 1), "wq_b": (128 * 192, 1536),
+        "wkv_a": (512 + 64, dim), "kv_norm": (512, 1), "wkv_b": (128 * 256, 512),
+        "wo": (dim, 128 * 128), "norms": (dim, 2), "router": (experts, dim),
+        "shared": (3 * hidden, dim),
+    }  # fmt: skip
+    dense_sent = sum(-(-r // 128) * c * 127 for r, c in rows.values())
+    assert middle["fsdp_sent_elements"] == 4 * (dense_sent + experts_sent)

@@ -86,6 +86,9 @@ class RankType:
     gathered_bytes: int  # FSDP's unsharded blocks and their gradients, at their peak
     peak_bytes: int
     float8_param_bytes: int = 0  # of param_bytes: the weights `train.float8` converts
+    # what one gather of all its FSDP-sharded parameters sends, in elements: each its shard
+    # times the other ranks of its group ((dp_shard·cp) - 1; experts': (dp_shard·cp / ep) - 1)
+    fsdp_sent_elements: int = 0
 
     def json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -105,6 +108,7 @@ class _State:
     float8_params: int  # of params: the converted linears' weights
     block: int  # the largest block's local (TP-sharded, FSDP-unsharded) parameter count
     block_float8: int  # of block: the converted weights' elements
+    sent: int  # elements one gather of every parameter sends (`RankType.fsdp_sent_elements`)
 
 
 def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
@@ -121,8 +125,9 @@ def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
                 block = size
                 block_float8 = sum(_full_local(p) for p in layer.parameters() if p in converted)
     float8 = sum(_local(p).numel() for p in converted)
+    sent = sum(_fsdp_sent(p) for p in params)
     return _State(
-        numel * 4, numel * 4, numel * 4 * moments + steps, float8 * 4, block, block_float8
+        numel * 4, numel * 4, numel * 4 * moments + steps, float8 * 4, block, block_float8, sent
     )
 
 
@@ -133,16 +138,37 @@ def _float8_weights(modules: list[nn.Module]) -> set[nn.Parameter]:
     return {m.weight for root in modules for m in root.modules() if is_float8(m)}
 
 
-def _full_local(p: torch.Tensor) -> int:
-    """A parameter's elements on this rank once FSDP gathers it (TP's shard stays a shard)."""
+def _gathered_shape(p: torch.Tensor) -> tuple[list[int], int]:
+    """A parameter's shape on this rank once FSDP gathers it (TP's and EP's shards stay
+    shards: FSDP gathers an expert's weights over the data-parallel ranks that hold it), and
+    the ranks FSDP shards it over."""
     if not isinstance(p, DTensor):
-        return p.numel()
+        return list(p.shape), 1
     shape, names = list(p.shape), p.device_mesh.mesh_dim_names or ()
+    fsdp = 1
     for mesh_dim, placement in enumerate(p.placements):
-        if placement.is_shard() and mesh_dim < len(names) and names[mesh_dim] == "tp":
+        if not (placement.is_shard() or hasattr(placement, "split_factor")):  # _StridedShard too
+            continue
+        if mesh_dim < len(names) and names[mesh_dim] in ("tp", "ep"):
             dim = placement.dim  # type: ignore[attr-defined]
             shape[dim] = math.ceil(shape[dim] / p.device_mesh.size(mesh_dim))
-    return math.prod(shape)
+        else:
+            fsdp *= p.device_mesh.size(mesh_dim)
+    return shape, fsdp
+
+
+def _full_local(p: torch.Tensor) -> int:
+    """A parameter's elements on this rank once FSDP gathers it (`_gathered_shape`)."""
+    return math.prod(_gathered_shape(p)[0])
+
+
+def _fsdp_sent(p: torch.Tensor) -> int:
+    """Elements a rank sends when FSDP gathers `p`: its shard (dim 0 padded to a multiple of
+    the group, as FSDP2 pads it) to each other rank of the group."""
+    shape, ranks = _gathered_shape(p)
+    if ranks == 1 or not shape:
+        return 0
+    return math.ceil(shape[0] / ranks) * math.prod(shape[1:]) * (ranks - 1)
 
 
 class _FlashSaves(torch.autograd.Function):
@@ -182,14 +208,20 @@ def traced_activations(config: Config, layers: int) -> int:
     tp, cp, ep = p.tp, p.cp, p.ep
     moe = m.moe
     if moe is not None:  # this rank's experts; a dense layer first only where it has one
-        experts = max(moe.experts // ep, moe.top_k)
-        moe = replace(moe, experts=experts, first_dense_layers=min(moe.first_dense_layers, 1))
+        experts = max(moe.experts // ep, moe.top_k)  # routed over them all (no groups)
+        moe = replace(
+            moe,
+            experts=experts,
+            first_dense_layers=min(moe.first_dense_layers, 1),
+            groups=1,
+            topk_groups=1,
+        )
     local = replace(
         m,
         n_layers=layers,
         n_heads=m.n_heads // tp,
-        n_kv_heads=max(m.n_kv_heads // tp, 1),
-        head_dim=m.head_size,
+        n_kv_heads=m.n_heads // tp if m.mla is not None else max(m.n_kv_heads // tp, 1),
+        head_dim=m.head_size if m.mla is None else None,
         ffn_hidden=m.ffn_hidden // tp,
         vocab_size=math.ceil(m.vocab_size / tp) if p.loss_parallel else m.vocab_size,
         moe=replace(moe, first_dense_layers=min(moe.first_dense_layers, layers - 1))
@@ -297,7 +329,7 @@ def rank_type(
             gathered -= state.block_float8 * 2 * (compute - 1)
     peak = state.params + state.grads + state.optim + in_flight * activation + gathered
     return RankType([rank], stage, layers, state.params, state.grads, state.optim, activation,
-                    in_flight, gathered, peak, state.float8_params)  # fmt: skip
+                    in_flight, gathered, peak, state.float8_params, state.sent)  # fmt: skip
 
 
 def representatives(config: Config, dims: ParallelDims, world: int) -> list[int]:
@@ -376,7 +408,8 @@ def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> 
     out: dict[str, int] = {}
     f = dims.dp_shard * dims.cp
     if f > 1:  # per micro-batch: gather forward and backward, reduce-scatter the gradients
-        out["fsdp"] = int(micro * shard * (f - 1) * (2 * compute + 4))
+        sent = max(tt.fsdp_sent_elements for tt in types)
+        out["fsdp"] = int(micro * sent * (2 * compute + 4))
         float8 = config.train.float8
         if float8 is not None and float8.fsdp_all_gather:  # those gathered a byte an element
             converted = max(tt.float8_param_bytes for tt in types) // 4
