@@ -703,7 +703,10 @@ def test_a_field_updates_the_table_the_preset_or_the_file_has(repo, tmp_path):
         (["model.preset=moe-tiny", "model.moe=none", "model.moe.top_k=1"],
          "model.moe.experts: required"),  # unset, then a new table of one field
         (["model.rope_scaling.factor=16"], "model.rope_scaling.type: required; model.rope_scaling "
-                                           "gives all of type, factor, low_freq_factor"),
+                                           "needs type, factor (the other fields have defaults)"),
+        (["model.mla.v_head_dim=16"], "model.mla.kv_lora_rank: required; model.mla needs "
+         "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (the other fields have "
+         "defaults)"),
         (["metrics.wandb.mode=offline"], "metrics.wandb.project: required"),
         (["train.batch_ramp.start=2"], "train.batch_ramp.increment: required"),
         (["model.preset=moe-tiny", "model.moe.top_k=0"],
@@ -746,6 +749,7 @@ TABLE_KEYS = {  # the table keys, found in the schema: a dataclass or none (not 
 WITH_TABLE = {
     "model.moe": ["model.preset=moe-tiny"],
     "model.rope_scaling": ["model.preset=llama3-1b"],
+    "model.mla": ["model.preset=deepseek-v3-tiny"],
     "train.batch_ramp": ["train.global_batch_size=8", "train.batch_ramp={start = 2, "
                          "increment = 2, samples = 100}"],
     "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],

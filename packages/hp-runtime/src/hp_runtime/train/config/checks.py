@@ -43,6 +43,9 @@ def check(config: Config) -> None:
             else f", moe.experts={moe.experts}, moe.expert_ffn_hidden={moe.expert_ffn_hidden}, "
             f"moe.shared_experts={moe.shared_experts}"
         )
+        mla = model.mla
+        if mla is not None:  # latent attention's widths shape it too
+            experts += "".join(f", mla.{k}={v}" for k, v in vars(mla).items() if v is not None)
         raise ConfigError(
             f"model: {model.num_params():.3g} parameters (model.dim={model.dim}, n_layers="
             f"{model.n_layers}, ffn_hidden={model.ffn_hidden}, vocab_size={model.vocab_size}"
