@@ -101,6 +101,10 @@ LAYOUTS = {
     "fsdp2": (2, ["parallel.dp_shard=2"]),
     "pp2-tied": (2, ["parallel.pp=2", "model.tie_embeddings=true",
                      "train.global_batch_size=4"]),
+    # DeepSeek-V3's shape (latent attention, YaRN, grouped sigmoid routing, the balancing
+    # bias: state a resume must carry) at MODEL's widths, its experts over two ranks
+    "deepseek-ep2": (2, ["model.preset=deepseek-v3-tiny", "model.n_kv_heads=4",
+                         "parallel.dp_shard=2", "parallel.ep=2"]),
 }  # fmt: skip
 
 
@@ -205,6 +209,7 @@ def test_time_limit_stops_before_it_with_a_checkpoint(tmp_path):
 
 
 # Resharding, in spawned ranks through the library: (world, layout) pairs.
+DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.max_seq_len=64"]
 RESHARD = {
     "fsdp2xtp2-to-fsdp4": ((4, ["parallel.dp_shard=2", "parallel.tp=2"]),
                            (4, ["parallel.dp_shard=4"])),
@@ -213,6 +218,8 @@ RESHARD = {
     "one-to-hsdp2x2": ((1, []), (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"])),
     "cp2-to-one": ((2, ["parallel.cp=2"]), (1, [])),
     "one-to-hsdp2xcp2": ((1, []), (4, ["parallel.dp_replicate=2", "parallel.cp=2"])),
+    "deepseek-ep2xpp2-to-one": ((4, [*DEEPSEEK, "parallel.dp_shard=2", "parallel.ep=2",
+                                     "parallel.pp=2"]), (1, DEEPSEEK)),
 }  # fmt: skip
 BASE = [  # SGD with momentum: optimizer state to move, less chaotic than Adam's first steps
     "data.type=dummy", "data.seq_length=32", "train.micro_batch_size=1",
