@@ -295,6 +295,26 @@ class MLAConfig:
         return q + kv + heads * self.v_head_dim * dim
 
 
+@dataclass(frozen=True)
+class MTPConfig:
+    """DeepSeek-V3's multi-token prediction: `depth` sequential modules after the model's
+    layers, module k predicting the token k + 1 ahead of each position from the previous
+    module's hidden state (the model's own for the first) and the embedding of the token k
+    ahead, through the two RMSNorms, a projection of the two side by side, one transformer
+    block and the model's head under a norm of its own. Trained with the model: the loss is
+    the main one plus `loss_weight` times the mean of the modules' (each over the same
+    tokens' count as the main loss, as the paper's 1/T)."""
+
+    depth: int
+    loss_weight: float = 0.3  # DeepSeek-V3's for its first 10T tokens (then 0.1)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
+            raise FieldError("depth", self.depth, "must be an integer of at least 1")
+        if not _number(self.loss_weight) or self.loss_weight < 0:
+            raise FieldError("loss_weight", self.loss_weight, "must be a number of at least 0")
+
+
 # Meta's scaling of Llama 3.1 (8B, 70B, 405B) and of Llama 3.2 (1B, 3B).
 LLAMA_31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
 LLAMA_32_SCALING = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
@@ -324,6 +344,7 @@ class ModelConfig:
     # `mla` shapes it (its k and v have `n_heads` heads; `n_kv_heads` must equal `n_heads`)
     attention_kind: AttentionKind = "gqa"
     mla: MLAConfig | None = None
+    mtp: MTPConfig | None = None  # None: no multi-token prediction modules
     moe: MoEConfig | None = None  # None: every layer's feed-forward is dense
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -338,6 +359,8 @@ class ModelConfig:
         if not isinstance(self.rope_scaling, RopeScaling | None):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} is not a RopeScaling or None")
         self._check_attention_kind()
+        if not isinstance(self.mtp, MTPConfig | None):
+            raise ValueError(f"mtp={self.mtp!r} is not an MTPConfig or None")
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         for name in (*sizes, "max_seq_len"):  # a zero would divide by zero below
             if getattr(self, name) < 1:
@@ -388,6 +411,12 @@ class ModelConfig:
                 )
 
     @property
+    def total_layers(self) -> int:
+        """The blocks the model holds: its `n_layers`, then one a multi-token prediction
+        module (`layers.{n_layers + k}`, DeepSeek's checkpoints' index for them too)."""
+        return self.n_layers + (self.mtp.depth if self.mtp is not None else 0)
+
+    @property
     def rope_dim(self) -> int:
         """The width of a head's rotated part: all of it, or MLA's `qk_rope_head_dim`."""
         return self.head_size if self.mla is None else self.mla.qk_rope_head_dim
@@ -407,17 +436,24 @@ class ModelConfig:
         unless `head_dim` sets it apart."""
         return self.n_heads * self.head_size
 
-    def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
+    def num_params(
+        self, include_embeddings: bool = True, active: bool = False, mtp: bool = True
+    ) -> int:
         """Parameters, counting a tied embedding once; with `active`, only those one token
-        uses (its top-k experts of each MoE layer, not all of them)."""
+        uses (its top-k experts of each MoE layer, not all of them); without `mtp`, those of
+        the model alone (as transformers' models hold it), not its prediction modules (which
+        share the embedding and the head: their blocks, two norms and a projection each,
+        and a norm before the head)."""
         kv = self.n_kv_heads * self.head_size
         attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv  # wq, wo, wk, wv
         attention += 2 * self.head_size * self.qk_norm  # the q and k norms' weights (per head)
         if self.mla is not None:
             attention = self.mla.num_params(self.dim, self.n_heads)
         total = self.dim + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        for layer in range(self.n_layers):  # + final norm and embeddings, above
+        layers = self.total_layers if mtp else self.n_layers
+        for layer in range(layers):  # + final norm and embeddings, above
             total += attention + self._ffn_params(layer, active) + 2 * self.dim  # two norms
+        total += (layers - self.n_layers) * (2 * self.dim * self.dim + 3 * self.dim)
         if not include_embeddings:
             total -= self.vocab_size * self.dim
         return total
@@ -433,14 +469,17 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 N (the active parameters, without the input embedding
-        lookup) plus attention's 12 · layers · q_dim · seq_len (forward and backward; q_dim is
-        heads x head width, `dim` unless `head_dim` sets it apart), as in the PaLM/Megatron
-        estimates."""
+        lookup; each multi-token prediction module's run of the head counted too) plus
+        attention's 12 · layers · q_dim · seq_len (forward and backward; q_dim is heads x head
+        width, `dim` unless `head_dim` sets it apart; latent attention's q·k and v widths
+        apart), as in the PaLM/Megatron estimates."""
         active = self.num_params(include_embeddings=False, active=True)
         width = 2 * self.q_dim  # q·k and the weights times v, each q_dim wide a token
         if self.mla is not None:
             width = self.n_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
-        return 6 * active + 6 * self.n_layers * width * seq_len
+        heads = self.total_layers - self.n_layers  # each MTP module runs the head again
+        attention = 6 * self.total_layers * width * seq_len
+        return 6 * (active + heads * self.vocab_size * self.dim) + attention
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -554,8 +593,9 @@ DEEPSEEK_V3_YARN = RopeScaling(
 )  # fmt: skip
 # The DeepSeek-V3 family (`DeepseekV3ForCausalLM`): latent attention, sigmoid routing with
 # the balancing bias over shared and routed experts, a few dense layers first. The shapes of
-# deepseek-ai/DeepSeek-V3's, moonshotai/Moonlight-16B-A3B's and moonshotai/Kimi-K2-Base's
-# config.json; "deepseek-v3-tiny" has every feature on at CPU size.
+# deepseek-ai/DeepSeek-V3's (with its one multi-token prediction module),
+# moonshotai/Moonlight-16B-A3B's and moonshotai/Kimi-K2-Base's config.json (neither has MTP
+# layers); "deepseek-v3-tiny" has every feature on at CPU size.
 _DEEPSEEK_MLA = MLAConfig(512, 128, 64, 128, q_lora_rank=1536)
 PRESETS.update({
     "deepseek-v3-tiny": ModelConfig(
@@ -567,6 +607,7 @@ PRESETS.update({
         moe=MoEConfig(experts=8, top_k=2, expert_ffn_hidden=32, shared_experts=1,
                       router="sigmoid", route_scale=2.5, first_dense_layers=1,
                       load_balance="bias", groups=4, topk_groups=2),
+        mtp=MTPConfig(depth=1, loss_weight=0.3),
     ),
     "deepseek-v3-671b": ModelConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
@@ -575,6 +616,7 @@ PRESETS.update({
         moe=MoEConfig(experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1,
                       router="sigmoid", route_scale=2.5, first_dense_layers=3,
                       load_balance="bias", groups=8, topk_groups=4),
+        mtp=MTPConfig(depth=1, loss_weight=0.3),  # its one MTP module (λ 0.3, then 0.1)
     ),
     "moonlight-16b-a3b": ModelConfig(
         vocab_size=163840, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_hidden=11264,

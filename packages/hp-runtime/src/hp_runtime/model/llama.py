@@ -7,6 +7,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_runtime.model.attention import Layout, attend
 from hp_runtime.model.config import ModelConfig
@@ -74,6 +75,28 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class MTPLayer(Block):
+    """Module k of `model.mtp` (the block `layers.{n_layers + k - 1}`, DeepSeek-V3's MTP
+    module): h' = eh_proj([enorm(embedding of the token k ahead); hnorm(h)]), then the block,
+    and `head_norm` of its output for the model's head (DeepSeek's `shared_head.norm`), all
+    inside its forward, where FSDP has gathered them."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        self.enorm = RMSNorm(config.dim, config.norm_eps)
+        self.hnorm = RMSNorm(config.dim, config.norm_eps)
+        self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.head_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, tables: torch.Tensor, layout: Layout, embedded: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the hidden state the next module reads, the head's input)."""
+        h = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(x)), dim=-1))
+        h = super().forward(h, tables, layout)
+        return h, self.head_norm(h)
+
+
 class Transformer(nn.Module):
     """Embedding, blocks, final norm, output head. Layers sit in a ModuleDict keyed by their
     index, so a pipeline stage can drop the ones it does not own and keep the names."""
@@ -82,11 +105,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
+        layers = {str(i): Block(config, i) for i in range(config.n_layers)}
+        for i in range(config.n_layers, config.total_layers):  # multi-token prediction
+            layers[str(i)] = MTPLayer(config, i)
+        self.layers = nn.ModuleDict(layers)
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rotary", rotary_tables(config), persistent=False)
+        # each prediction module's summed cross-entropy since `Stepper` zeroed it (for the log)
+        depth = config.total_layers - config.n_layers
+        self.register_buffer("mtp_losses", torch.zeros(depth), persistent=False)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head, when asked. `to_empty` and `parallelize_module`
@@ -113,6 +142,8 @@ class Transformer(nn.Module):
         rows: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_chunk_tokens: int = CHUNK_TOKENS,
+        mtp_tokens: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of `tokens` (b, r). `position_ids` (b, s) rotate q and k (None: 0..s-1).
         `documents` (b, s) number each token's document, and attention stays inside them
@@ -122,7 +153,9 @@ class Transformer(nn.Module):
         (context parallelism); `position_ids` and `documents` then cover the whole sequence.
         With `labels` (b, r) the head returns each token's cross-entropy (b, r) instead, its
         logits computed `loss_chunk_tokens` at a time (`loss.token_losses`), never all at
-        once."""
+        once; with `mtp_tokens` and `mtp_labels` (b, r, depth: `mtp.mtp_inputs`) the
+        multi-token prediction modules run too, and each token's loss adds theirs, weighted
+        `model.mtp.loss_weight / depth` (without them, as in evaluation, they do not run)."""
         positions = position_ids
         if position_ids is not None and rows is not None:
             positions = position_ids[:, rows]
@@ -133,14 +166,34 @@ class Transformer(nn.Module):
             rows=rows,
         )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rotary, layout)
+        predictors = []
+        for key, layer in self.layers.items():
+            if int(key) < self.config.n_layers:
+                h = layer(h, self.rotary, layout)
+            else:
+                predictors.append(layer)
+        hidden = h
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        if labels is not None:  # inside the forward, where FSDP has gathered the head
-            return token_losses(self.output, h, labels, loss_chunk_tokens)
-        return self.output(h)
+        if labels is None:
+            return self.output(h)
+        # inside the forward, where FSDP has gathered the head
+        losses = token_losses(self.output, h, labels, loss_chunk_tokens)
+        if mtp_tokens is None or mtp_labels is None or not predictors:
+            return losses
+        extra = 0
+        for k, layer in enumerate(predictors):
+            hidden, head_input = layer(
+                hidden, self.rotary, layout, self.tok_embeddings(mtp_tokens[..., k])
+            )
+            predicted = token_losses(self.output, head_input, mtp_labels[..., k], loss_chunk_tokens)
+            total = predicted.detach().sum()
+            self.mtp_losses[k] += total.full_tensor() if isinstance(total, DTensor) else total
+            extra = extra + predicted
+        mtp = self.config.mtp
+        assert mtp is not None
+        return losses + extra * (mtp.loss_weight / mtp.depth)
 
 
 def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:

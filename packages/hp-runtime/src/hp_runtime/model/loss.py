@@ -147,3 +147,22 @@ def token_losses(
     # A new tensor even from one part, not a view: FSDP hooks the output of a forward, and
     # warns that an in-place op on a view would lose that hook.
     return torch.cat(parts, dim=1)
+
+
+def mtp_inputs(
+    tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a micro-batch's whole rows (b, s): the token each module k (1..depth) embeds at
+    position i, t[i + k], and the one it predicts there, t[i + k + 1] (`ignore` where that
+    is past the sample or its loss_mask is 0: a target keeps its own mask, as Megatron's
+    rolled loss mask), stacked (b, s, depth) each. t[s] is the last label: the sample holds
+    s + 1 tokens. Made from whole rows, before context parallelism takes a rank's."""
+    ids = torch.cat((tokens, labels[:, -1:]), dim=1)  # t[0..s]
+    targets = labels.masked_fill(loss_mask == 0, IGNORE)
+    pad_ids = torch.zeros_like(tokens[:, :1])
+    pad_targets = torch.full_like(targets[:, :1], IGNORE)
+    inputs, predicted = [], []
+    for k in range(1, depth + 1):
+        inputs.append(torch.cat((ids[:, k:], pad_ids.expand(-1, k - 1)), dim=1))
+        predicted.append(torch.cat((targets[:, k:], pad_targets.expand(-1, k)), dim=1))
+    return torch.stack(inputs, dim=-1), torch.stack(predicted, dim=-1)

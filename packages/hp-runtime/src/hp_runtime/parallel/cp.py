@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hp_runtime.model.attention import Layout
 
-SHARDED = ("tokens", "labels", "loss_mask")  # a micro-batch's per-row tensors, (b, s) each
+# a micro-batch's per-row tensors, (b, s) each (the multi-token prediction's (b, s, depth))
+SHARDED = ("tokens", "labels", "loss_mask", "mtp_tokens", "mtp_labels")
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Layout], torch.Tensor]
 

@@ -5,6 +5,9 @@ feed-forward input is gathered, the q/k/v and w1/w3 projections split by columns
 by rows (reduce-scattered back to sequence shards). The output head gathers the sequence and
 returns replicated logits (or, with loss_parallel, vocabulary-sharded ones).
 
+A multi-token prediction module's norms and its projection of [embedding; hidden state] act
+per token: replicated, on the sequence shards (as the norms), its block split as any other.
+
 A MoE layer's feed-forward runs whole on every tp rank: its input gathered from the sequence
 shards, the router, shared and routed experts replicated (each tp rank routes every token
 alike; expert parallelism, not TP, splits the experts), and its output split back into the
@@ -53,6 +56,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hp_runtime.model.llama import MTPLayer
 from hp_runtime.model.mla import LatentAttention
 from hp_runtime.model.moe import MoE, compute_dtype
 from hp_runtime.parallel.float8 import is_float8
@@ -259,6 +263,13 @@ def apply_tp(
             "ffn_norm": SequenceParallel(),
             **ffn,
         }
+        if isinstance(block, MTPLayer):  # per token, replicated, on the sequence shards
+            plan |= {
+                "enorm": SequenceParallel(),
+                "hnorm": SequenceParallel(),
+                "eh_proj": SequenceParallel(use_local_output=True),  # the residual: local
+                "head_norm": SequenceParallel(),
+            }
         parallelize_module(block, mesh, plan)  # type: ignore[arg-type]
     # parallelize_module replaces the two parameters of a tied embedding: tie them again.
     if hasattr(model, "tie_weights"):

@@ -138,15 +138,24 @@ def _size(text: str) -> int:
     show_default=True,
 )
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Per safetensors file.")
-def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str) -> None:
+@click.option(
+    "--mtp",
+    type=click.Choice(["keep", "drop"]),
+    default="keep",
+    show_default=True,
+    help="A model.mtp model's prediction modules: written (DeepSeek-V3's layers after the "
+    "model's) or left out (the model alone, for evaluation and inference).",
+)
+def export_command(checkpoint: str, out: str, dtype: str, max_shard_size: str, mtp: str) -> None:
     """Write CHECKPOINT (RUN_DIR/checkpoints/step-N) as an HF directory (Llama, Qwen3,
-    Mixtral, Qwen3-MoE, Dots1 or GLM-4-MoE: the family that is exactly its model)."""
+    Mixtral, Qwen3-MoE, Dots1, GLM-4-MoE or DeepSeek-V3: the family that is exactly its
+    model)."""
     from hp_runtime.train.errors import TrainError
     from hp_runtime.train.export_output import leftovers
     from hp_runtime.train.hf import export_checkpoint
 
     try:
-        files = export_checkpoint(checkpoint, out, dtype, _size(max_shard_size))
+        files = export_checkpoint(checkpoint, out, dtype, _size(max_shard_size), mtp)
     except (TrainError, ValueError) as exc:
         _fail(str(exc), 1, 0)
     click.echo(f"wrote {out}: config.json, {', '.join(files)}")

@@ -11,6 +11,7 @@ check this against transformers' own logits rather than assume it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,21 +30,30 @@ from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.export_output import ExportTarget
 from hp_runtime.train.hf_config import MOE_SHAPE, config_json, read_config
-from hp_runtime.train.hf_families import DEEPSEEK_V3, Family, export_family, family_of
-from hp_runtime.train.hf_names import STACKED, hf_names, is_fused, rope_rows
+from hp_runtime.train.hf_families import (
+    DEEPSEEK_V3,
+    Family,
+    export_family,
+    family_of,
+    mtp_depth,
+)
+from hp_runtime.train.hf_names import MTP_COPIES, STACKED, hf_names, is_fused, rope_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def read_hf_config(directory: str) -> tuple[Family, dict[str, Any]]:
-    """The family and the `ModelConfig` fields of the HF `config.json` in `directory`."""
+def _config_json(directory: str) -> tuple[str, Any]:
     path = os.path.join(directory, "config.json")
     try:
         with open(path, encoding="utf-8") as stream:
-            hf = json.load(stream)
+            return path, json.load(stream)
     except (OSError, ValueError) as exc:
         raise TrainError(f"{path}: cannot read an HF config ({exc})") from None
-    return read_config(path, hf)
+
+
+def read_hf_config(directory: str) -> tuple[Family, dict[str, Any]]:
+    """The family and the `ModelConfig` fields of the HF `config.json` in `directory`."""
+    return read_config(*_config_json(directory))
 
 
 def model_config_from_hf(directory: str) -> dict[str, Any]:
@@ -71,10 +81,25 @@ def _check_moe(config: ModelConfig, label: str, moe: MoEConfig | None, directory
             )
 
 
+def _check_mtp(config: ModelConfig, family: Family, directory: str) -> None:
+    """A model with multi-token prediction modules starts from a checkpoint with as many
+    (DeepSeek-V3's layers after the model's); one without them leaves a checkpoint's out."""
+    if config.mtp is None:
+        return
+    depth = mtp_depth(*_config_json(directory)) if family is DEEPSEEK_V3 else 0
+    if depth != config.mtp.depth:
+        raise TrainError(
+            f"model.init_from: {directory} has num_nextn_predict_layers={depth}, the config "
+            f"model.mtp.depth={config.mtp.depth}; set model.mtp.depth = {depth}"
+            + (" (or drop model.mtp)" if depth else " or drop model.mtp")
+        )
+
+
 def check_hf_config(config: ModelConfig, directory: str) -> Family:
     """Refuse an HF directory whose `config.json` is not the model `config` describes (run
     before any model is built, and again when the weights are read); its family."""
     family, expected = read_hf_config(directory)
+    _check_mtp(config, family, directory)
     for key, value in expected.items():
         if key == "moe":
             _check_moe(config, family.label, value, directory)
@@ -116,6 +141,11 @@ def _to_hf(
         for hf, part in zip(names, tensor.unbind(0) if stacked else [tensor], strict=True):
             kind = torch.float32 if hf.endswith(family.fp32) else DTYPES[dtype]
             named[hf] = part.to(kind, copy=stacked).contiguous()  # a view of the stack: copied
+    head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+    shared = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": head}
+    for layer in range(config.n_layers, config.total_layers):  # DeepSeek's copies, per module
+        for copy, name in MTP_COPIES.items():
+            named[f"model.layers.{layer}.{copy}"] = named[shared[name]].clone()
     return named
 
 
@@ -272,6 +302,15 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
         tensor = weights[name]
         if _is_mtp(family, config, name):  # left out, as transformers' model leaves them
             continue
+        copy = _mtp_copy(config, name)
+        if copy is not None:  # DeepSeek's copy of the embedding or the head in a module
+            main = weights.get(copy)
+            if main is not None and torch.equal(tensor, main):
+                continue
+            raise TrainError(
+                f"model.init_from: {directory} has a {name} that differs from {copy}; hp's "
+                "multi-token prediction modules share the model's embedding and head"
+            )
         if name == "lm_head.weight" and config.tie_embeddings:
             if torch.equal(tensor, weights.get("model.embed_tokens.weight", tensor[:0])):
                 continue
@@ -293,9 +332,26 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
 
 
 def _is_mtp(family: Family, config: ModelConfig, name: str) -> bool:
-    """A DeepSeek-V3 multi-token prediction layer's tensor: its layers after the model's."""
+    """A DeepSeek-V3 multi-token prediction layer's tensor that hp's model has no module for
+    (all of them without `model.mtp`)."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return family is DEEPSEEK_V3 and match is not None and int(match.group(1)) >= config.n_layers
+    return (
+        family is DEEPSEEK_V3 and match is not None and int(match.group(1)) >= config.total_layers
+    )
+
+
+def _mtp_copy(config: ModelConfig, name: str) -> str | None:
+    """The model's own tensor (HF name) that `name` copies, if it is a prediction module's
+    copy of the embedding or the head."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match is None or not config.n_layers <= int(match.group(1)) < config.total_layers:
+        return None
+    own = MTP_COPIES.get(match.group(2))
+    if own is None:
+        return None
+    if own == "output.weight" and not config.tie_embeddings:
+        return "lm_head.weight"
+    return "model.embed_tokens.weight"
 
 
 def _full(
@@ -418,20 +474,42 @@ def read_model(checkpoint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, wanted
 
 
+def without_mtp(
+    config: ModelConfig, tensors: dict[str, torch.Tensor]
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model without its multi-token prediction modules (`--mtp drop`): what evaluation
+    and inference run."""
+    kept = {
+        name: tensor
+        for name, tensor in tensors.items()
+        if not (name.startswith("layers.") and int(name.split(".")[1]) >= config.n_layers)
+    }
+    return dataclasses.replace(config, mtp=None), kept
+
+
 def export_checkpoint(
-    checkpoint: str, out: str, dtype: str = "bfloat16", max_shard_bytes: int = 5 * 2**30
+    checkpoint: str,
+    out: str,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 5 * 2**30,
+    mtp: str = "keep",
 ) -> list[str]:
     """A hp-train checkpoint (any layout it was saved from) as an HF directory of its model's
-    family."""
+    family; its multi-token prediction modules written (`mtp` "keep", DeepSeek-V3's layers
+    after the model's) or left out ("drop")."""
     from hp_runtime.train.checkpoint_format import read_meta
 
     # A bad --out, or one another export is writing, is refused before the checkpoint is read.
     with ExportTarget(out) as target:
         # The family first: a model that no family is exactly is refused before a tensor is read.
         config = _stored_model(checkpoint, read_meta(checkpoint))
+        if mtp == "drop":
+            config = dataclasses.replace(config, mtp=None)
         try:
             export_family(config)
         except TrainError as exc:
             raise TrainError(f"{checkpoint}: cannot be exported: {exc}") from None
         config, weights = read_model(checkpoint)
+        if mtp == "drop":
+            config, weights = without_mtp(config, weights)
         return _write_hf(weights, config, target, dtype, max_shard_bytes)

@@ -378,12 +378,15 @@ _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_
 def _write_deepseek_v3(config: ModelConfig) -> dict[str, Any]:
     """Latent attention (hp's rotary halves are DeepSeek's interleaved pairs, reordered by
     the checkpoint's rows: `hf_names.rope_rows`) and DeepSeek-V3's routing; a dense model's
-    every layer in `first_k_dense_replace`. No multi-token prediction layers."""
+    every layer in `first_k_dense_replace`; the multi-token prediction modules, where the
+    model has them, as the layers after its own (`num_nextn_predict_layers`)."""
     mla = config.mla
     assert mla is not None
     shape = {name: getattr(mla, name) for name in _MLA_FIELDS}
     fields = {**shape, "rope_interleave": True, "head_dim": mla.qk_rope_head_dim}
-    fields |= {"num_nextn_predict_layers": 0, "num_mtp_layers": 0, "attention_bias": False}
+    depth = config.mtp.depth if config.mtp is not None else 0  # the layers after the model's
+    fields |= {"num_nextn_predict_layers": depth, "num_mtp_layers": depth}
+    fields["attention_bias"] = False
     if config.moe is None:
         return {
             **fields,
@@ -574,11 +577,29 @@ def family_of(config: ModelConfig) -> Family:
     return DOTS1 if config.qk_norm else GLM4_MOE
 
 
+def mtp_depth(path: str, hf: dict[str, Any]) -> int:
+    """The multi-token prediction layers a DeepSeek-V3 config.json says its checkpoint holds
+    after the model's (`num_nextn_predict_layers`; transformers 5's `num_mtp_layers`)."""
+    given = {k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
+    if len({_json(v) for v in given.values()}) > 1:
+        both = ", ".join(f"{k}={_json(v)}" for k, v in given.items())
+        raise TrainError(f"{path}: {both} disagree; give one")
+    depth = next(iter(given.values()), 0)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise TrainError(f"{path}: num_nextn_predict_layers={_json(depth)} must be an integer >= 0")
+    return depth
+
+
 def export_family(config: ModelConfig) -> Family:
     """`family_of`, and what an export of a trained model needs beyond its shape: under
     softmax, a balancing bias (load_balance "bias") chose the experts, and neither Mixtral
     nor Qwen3-MoE has one (init_from may take it: the bias starts at zero)."""
     family = family_of(config)
+    if config.mtp is not None and family is not DEEPSEEK_V3:
+        raise TrainError(
+            f"model.mtp: hp's {family.label} has no multi-token prediction layers (DeepSeek-V3's "
+            "checkpoints hold them); export with --mtp drop"
+        )
     moe = config.moe
     if moe is not None and moe.router == "softmax" and moe.load_balance == "bias":
         raise TrainError(

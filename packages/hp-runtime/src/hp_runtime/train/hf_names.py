@@ -45,6 +45,19 @@ _MLA = {
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
 }
+# A multi-token prediction module's own tensors (`layers.{n_layers + k}`), as DeepSeek-V3's
+# checkpoints hold its MTP layers; they also hold copies of the embedding and the head there
+# (`MTP_COPIES`), which hp shares with the model.
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
+}
+MTP_COPIES = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
 # A SwiGLU's weights as HF's MLPs name them (dense layers, shared experts, Qwen's experts).
 _SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 STACKED = re.compile(r"layers\.\d+\.feed_forward\.experts\.w[123]")  # (experts, ...)
@@ -61,6 +74,8 @@ def hf_names(family: Family, config: ModelConfig, name: str, fused: bool = False
     if match is None:
         raise KeyError(f"no HF name for {name}")
     layer, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if rest in _MTP:
+        return [layer + _MTP[rest]]
     if config.mla is not None and rest in _MLA:
         return [layer + _MLA[rest]]
     if rest in _ATTENTION:

@@ -244,6 +244,7 @@ class Loop:
             self.clock.take(),
             skipped=step in self.skipped_since_log,
             moe=self.moe.tolist(),  # a logged step reads its values at once (a host sync)
+            mtp=self.run.stepper.mtp_loss.tolist() if self.run.stepper.mtp_depth else None,
         )
         self.skipped_since_log.clear()
         return True

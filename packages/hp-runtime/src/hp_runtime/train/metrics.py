@@ -306,10 +306,13 @@ class MetricsLog:
         step_s: float = 0.0,
         skipped: bool = False,
         moe: list[list[float]] | None = None,
+        mtp: list[float] | None = None,
     ) -> dict[str, Any]:
         """Log `step` (a collective: every rank calls it at the same steps); `step_s`: this
         rank's mean step time over the interval (`StepClock`); `moe`: the step's MoE
-        figures, one row per layer of `moe_layers`."""
+        figures, one row per layer of `moe_layers`; `mtp`: each multi-token prediction
+        module's mean loss (`loss` is then the main loss alone: the step trained on it plus
+        `model.mtp.loss_weight` times their mean)."""
         now = time.perf_counter()
         elapsed = max(now - self._mark_time, 1e-9)
         t = self.throughput
@@ -345,9 +348,11 @@ class MetricsLog:
             "eta_s": eta,
             "skipped": skipped,
             **moe_fields(moe or [], self.moe_aux_loss),
+            **({"mtp_loss": fmean(mtp), "mtp_losses": mtp} if mtp else {}),
         }
         self.write(record)
-        self._scalars(step, {k: record[k] for k in ("loss", "grad_norm", "lr", "tokens_per_s")})
+        logged = ("loss", "grad_norm", "lr", "tokens_per_s", "mtp_loss")
+        self._scalars(step, {k: record[k] for k in logged if k in record})
         self._moe_scalars(step, record)
         width = len(str(self.steps))
         mfu_text = f"{record['mfu']:.1%}" if record["mfu"] is not None else "n/a"
@@ -359,6 +364,7 @@ class MetricsLog:
             + (self._ranks_text(record) if t.world_size > 1 else "")
             + (f" | batch {record['global_batch_size']}" if step < t.plan.full_from else "")
             + self._moe_text(record)
+            + (f" | mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else "")
             + (" | skipped" if skipped else "")
         )
         self.mark(step)

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hp_runtime.model.attention import documents_after_eod
-from hp_runtime.model.loss import IGNORE  # the label of a token whose loss_mask is 0
+from hp_runtime.model.loss import IGNORE, mtp_inputs  # IGNORE: a token whose loss_mask is 0
 from hp_runtime.parallel import Assembly
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
 from hp_runtime.train.balance import Balance
@@ -94,12 +94,16 @@ class Stepper:
         self.balance = Balance(assembly.modules, assembly.dp_group)
         config = assembly.modules[0].config
         # Every MoE layer of the model, in order: the rows of the figures `train_step` returns.
-        self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+        self.moe_layers = [i for i in range(config.total_layers) if config.is_moe_layer(i)]
         mine = [self.moe_layers.index(layer) for layer, _ in self.balance.layers]
         self._moe_rows = torch.tensor(mine, dtype=torch.long, device=self.device)
         # A layer's figures are alike on its stage's data- and tensor-parallel ranks (Balance
         # sums the load over the first): one of them adds them to the step's all-reduce.
         self._moe_reports = assembly.dp_rank == 0 and assembly.tp_rank == 0
+        # Multi-token prediction (model.mtp): its modules' inputs made from the whole rows,
+        # and their mean losses of the last step, on the device (`mtp_loss`).
+        self.mtp_depth = config.total_layers - config.n_layers
+        self.mtp_loss = torch.zeros(self.mtp_depth, device=self.device)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
@@ -139,19 +143,40 @@ class Stepper:
         end = self.document_end
         return [{**mb, "documents": documents_after_eod(mb["tokens"], end)} for mb in micro]
 
+    def _predictions(self, micro: list[Batch]) -> list[Batch]:
+        """Each micro-batch with its multi-token prediction inputs (`loss.mtp_inputs`)."""
+        if not self.mtp_depth:
+            return micro
+        out = []
+        for mb in micro:
+            ahead, targets = mtp_inputs(mb["tokens"], mb["labels"], mb["loss_mask"], self.mtp_depth)
+            out.append({**mb, "mtp_tokens": ahead, "mtp_labels": targets})
+        return out
+
+    def _mtp_modules(self) -> list[torch.Tensor]:
+        """This rank's models' `mtp_losses` buffers."""
+        return [
+            m.mtp_losses
+            for m in self.assembly.modules
+            if getattr(m, "mtp_losses", None) is not None
+        ]
+
     @staticmethod
     def _labels(mb: Batch) -> torch.Tensor:
         """The micro-batch's labels, IGNORE where its loss_mask is 0."""
         return mb["labels"].masked_fill(mb["loss_mask"] == 0, IGNORE)
 
     def _token_losses(self, mb: Batch) -> torch.Tensor:
-        """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0."""
+        """Each token's cross-entropy (b, s) of one micro-batch, 0 where loss_mask is 0 (with
+        the multi-token prediction's where the micro-batch has its inputs: in training)."""
+        predict = {name: mb[name] for name in ("mtp_tokens", "mtp_labels") if name in mb}
         return self.assembly.model(
             mb["tokens"],
             labels=self._labels(mb),
             loss_chunk_tokens=self.loss_chunk_tokens,
             rows=mb.get("rows"),
             **{name: mb[name] for name in self.reads},
+            **predict,
         )
 
     def _pipeline(self, micro: list[Batch], count: int, backward: bool) -> torch.Tensor:
@@ -217,8 +242,10 @@ class Stepper:
         loss, max / mean tokens per expert, tokens routed], on the device; gradients are left
         for `Assembly.finish_gradients`, the bias for `balance.update_bias` after the update."""
         a = self.assembly
-        micro = self._shard(self._documents(micro))  # documents of the whole sequence
+        micro = self._shard(self._predictions(self._documents(micro)))  # of whole sequences
         self.balance.start_step(count)  # a pipeline's every stage runs `count` micro-batches
+        for buffer in self._mtp_modules():
+            buffer.zero_()
         tokens, work = self._tokens(micro)
         with self._context():
             if a.schedule is not None:
@@ -236,8 +263,15 @@ class Stepper:
         shared = torch.cat(
             [torch.full((1,), flag, device=self.device), self._moe_figures().view(-1)]
         )
-        total = self._global((local / a.dp_cp_size).float(), shared)
-        return total[0], total[1], total[2:].view(-1, 3)
+        reported = (local / a.dp_cp_size).float().reshape(1)
+        if self.mtp_depth:  # each module's mean loss, and the main loss without them
+            mtp = sum(self._mtp_modules()) * self.loss_fn.scale / a.dp_cp_size
+            weight = a.modules[0].config.mtp.loss_weight / self.mtp_depth
+            reported = torch.cat([reported - weight * mtp.sum(), mtp.float()])
+        total = self._global(reported, shared)
+        depth = self.mtp_depth
+        self.mtp_loss = total[1 : 1 + depth]
+        return total[0], total[1 + depth], total[2 + depth :].view(-1, 3)
 
     @torch.no_grad()
     def sample_losses(self, micro: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:

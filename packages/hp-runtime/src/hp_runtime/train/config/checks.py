@@ -56,6 +56,11 @@ def check(config: Config) -> None:
             "model.attention = 'segments' reads document boundaries on the host, which a "
             "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
+    if model.mtp is not None and config.parallel.pp > 1:
+        raise ConfigError(
+            "model.mtp cannot go with parallel.pp > 1 yet (the prediction modules need the "
+            "embedding on the last stage); set parallel.pp = 1, or drop model.mtp"
+        )
     check_profile(config.metrics)
     check_moe(config)
     check_phases(config)
