@@ -100,12 +100,11 @@ def test_packed_documents_attend_alone_under_every_kernel(mode):
     [
         ("model.mla.qk_rope_head_dim=7", "model.mla.qk_rope_head_dim: must be even for rotary, "
          "got 7"),
-        ("model.mla.kv_lora_rank=0", "model.mla.kv_lora_rank: must be an integer of at least "
-         "1, got 0"),
-        ("model.mla.q_lora_rank=0", "model.mla.q_lora_rank: must be an integer of at least 1, "
+        ("model.mla.kv_lora_rank=0", "model.mla.kv_lora_rank: must be from 1 to 2**31 - 1, "
          "got 0"),
-        ("model.mla.qk_nope_head_dim=-1", "model.mla.qk_nope_head_dim: must be an integer of "
-         "at least 0, got -1"),
+        ("model.mla.q_lora_rank=0", "model.mla.q_lora_rank: must be from 1 to 2**31 - 1, got 0"),
+        ("model.mla.qk_nope_head_dim=-1", "model.mla.qk_nope_head_dim: must be from 0 to "
+         "2**31 - 1, got -1"),
         ("model.mla.v_head_dim=2.5", "model.mla.v_head_dim: expected an integer, got 2.5 (float)"),
         ("model.mla.q_rank=8", "model.mla.q_rank: unknown field; did you mean "
          "model.mla.q_lora_rank? its fields: q_lora_rank, kv_lora_rank, qk_nope_head_dim, "

@@ -182,14 +182,15 @@ def _numeric(kind) -> bool:
 
 
 def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
-    from hp_runtime.model.config import MoEConfig
+    from hp_runtime.model.config import MLAConfig, MoEConfig, MTPConfig
     from hp_runtime.train.config import BatchRamp, key_fields
 
     numeric = {
         f"{s}.{k}" for s, names in KEYS.items() for k, kind in names.items() if _numeric(kind)
     }
-    hints = typing.get_type_hints(MoEConfig)  # model.moe's fields are ranged as keys are
-    numeric |= {f"model.moe.{f.name}" for f in key_fields(MoEConfig) if _numeric(hints[f.name])}
+    for name, table in (("moe", MoEConfig), ("mla", MLAConfig), ("mtp", MTPConfig)):
+        hints = typing.get_type_hints(table)  # these tables' fields are ranged as keys are
+        numeric |= {f"model.{name}.{f.name}" for f in key_fields(table) if _numeric(hints[f.name])}
     numeric |= {f"train.batch_ramp.{f.name}" for f in key_fields(BatchRamp)}  # all integers
     assert numeric == set(RANGES)
     defaults = MoEConfig(experts=1, top_k=1, expert_ffn_hidden=1)
@@ -750,6 +751,7 @@ WITH_TABLE = {
     "model.moe": ["model.preset=moe-tiny"],
     "model.rope_scaling": ["model.preset=llama3-1b"],
     "model.mla": ["model.preset=deepseek-v3-tiny"],
+    "model.mtp": ["model.preset=deepseek-v3-tiny"],
     "train.batch_ramp": ["train.global_batch_size=8", "train.batch_ramp={start = 2, "
                          "increment = 2, samples = 100}"],
     "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],

@@ -30,11 +30,10 @@ INIT_ONLY = {"init_std", "attention"}
 # model.moe's fields a resume may change: the balancing's rates (the bias the checkpoint holds
 # goes on from where it is); every other field shapes or routes the model.
 MOE_MAY_CHANGE = {"aux_loss_coef", "bias_update_rate"}
-TABLES = (
-    "rope_scaling",
-    "moe",
-    "mla",
-)  # the model's table keys, compared as config.toml writes them
+# model.mtp's: its loss's weight (DeepSeek-V3 lowered it from 0.3 to 0.1 after 10T tokens)
+MTP_MAY_CHANGE = {"loss_weight"}
+# the model's table keys, compared as config.toml writes them
+TABLES = ("rope_scaling", "moe", "mla", "mtp")
 
 
 def saved_section(meta: dict[str, Any], name: str) -> dict[str, Any]:
@@ -88,7 +87,7 @@ def _table_change(meta: dict[str, Any], config: ModelConfig) -> tuple[str, str, 
         then = saved_model(meta).get(key, "none")
         value = getattr(config, key)
         now = "none" if value is None else as_table(value)
-        free = MOE_MAY_CHANGE if key == "moe" else set()
+        free = {"moe": MOE_MAY_CHANGE, "mtp": MTP_MAY_CHANGE}.get(key, set())
         if isinstance(then, dict) and isinstance(now, dict):  # fields after the checkpoint's hp
             free = free | {k for k in now.keys() - then.keys() if now[k] == _default(value, k)}
         if _without(then, free) != _without(now, free):

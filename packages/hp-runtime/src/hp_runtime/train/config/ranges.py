@@ -87,6 +87,14 @@ RANGES: dict[str, Range] = {
     "model.moe.bias_update_rate": NON_NEGATIVE,
     "model.moe.groups": _ints(1),
     "model.moe.topk_groups": _ints(1),
+    # model.mla's and model.mtp's (tables: `MLAConfig` checks the rope width's parity)
+    "model.mla.q_lora_rank": _ints(1),
+    "model.mla.kv_lora_rank": _ints(1),
+    "model.mla.qk_nope_head_dim": _ints(0),
+    "model.mla.qk_rope_head_dim": _ints(1),
+    "model.mla.v_head_dim": _ints(1),
+    "model.mtp.depth": _ints(1, 64),  # each a block: built, like the layers, one at a time
+    "model.mtp.loss_weight": NON_NEGATIVE,
     # hp-data's GPTDataset: a sample predicts at least one token; its L + 1 tokens count in int32
     "data.seq_length": _ints(2, MAX_SEQ_LENGTH),
     "data.seed": _ints(0, SEED_MAX),
