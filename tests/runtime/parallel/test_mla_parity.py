@@ -36,6 +36,8 @@ LAYOUTS = {
     "cp2-mask": (2, {"cp": 2}, MLA, None, "mask"),
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, MLA, None, None),
     "ep2": (2, {"dp_shard": 2, "ep": 2}, MOE, None, None),
+    "tp2-ac-selective": (2, {"tp": 2}, MLA, {"ac": "selective"}, None),
+    "fsdp2-compile": (2, {"dp_shard": 2}, MLA, {"compile": True}, None),
 }
 
 

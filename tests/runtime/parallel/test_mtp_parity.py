@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.train import corpus_overrides, records, train_ranks
 
-STEPS = 6
+STEPS = 10
 DENSE = ["model.moe=none"]  # context parallelism does not take MoE models yet
 # name: (world, layout, model overrides)
 LAYOUTS = {

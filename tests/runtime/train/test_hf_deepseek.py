@@ -157,3 +157,47 @@ def test_export_refuses_latent_attention_with_the_softmax_router(tmp_path):
     )
     assert not (tmp_path / "hf").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "name", ["deepseek-v3-tiny", "moonlight-16b-a3b", "deepseek-v3-671b", "kimi-k2-1t"]
+)
+def test_presets_count_the_parameters_of_transformers_models(name):
+    """Each preset's total and active parameters, with and without its MTP module, against
+    transformers' DeepseekV3ForCausalLM built from the config.json hp writes, on the meta
+    device: the model's own; with MTP, one more of transformers' decoder layers (a MoE one,
+    its index after the model's), its three norms and its 2·dim x dim projection. Active: a
+    token uses top_k of a MoE layer's routed experts."""
+    from hp_runtime.model import PRESETS
+    from hp_runtime.train.hf_config import config_json
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config = PRESETS[name]
+    written = config_json(config, "bfloat16")
+    hf = transformers.DeepseekV3Config(**{k: v for k, v in written.items()
+                                          if k not in ("architectures", "model_type")})  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(hf)
+        extra = [DeepseekV3DecoderLayer(hf, layer_idx=hf.num_hidden_layers + k)
+                 for k in range(config.mtp.depth if config.mtp else 0)]  # fmt: skip
+    moe = config.moe
+
+    def counts(modules) -> tuple[int, int]:
+        total = active = 0
+        for module in modules:
+            for pname, p in module.named_parameters():
+                total += p.numel()
+                routed = "mlp.experts." in pname and "shared" not in pname
+                active += p.numel() * moe.top_k // moe.experts if routed else p.numel()
+        return total, active
+
+    total, active = counts([model])
+    assert config.num_params(mtp=False) == total
+    assert config.num_params(mtp=False, active=True) == active
+    more_total, more_active = counts(extra)
+    dim = config.dim
+    own = len(extra) * (2 * dim * dim + 3 * dim)  # eh_proj, enorm, hnorm, shared_head.norm
+    assert config.num_params() == total + more_total + own
+    assert config.num_params(active=True) == active + more_active + own
+    if name == "deepseek-v3-671b":  # DeepSeek's own figures: 671B total, 37B active
+        assert round(total / 1e9) == 671 and round(active / 1e9) in (37, 38)
