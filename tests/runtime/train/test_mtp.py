@@ -39,7 +39,8 @@ def test_each_module_embeds_the_token_k_ahead_and_predicts_the_next():
         (["model.mtp.depth=0"], "model.mtp.depth: must be from 1 to 64, got 0"),
         (["model.mtp.depth=65"], "model.mtp.depth: must be from 1 to 64, got 65"),
         (["model.mtp.loss_weight=-0.1"], "model.mtp.loss_weight: must be at least 0, got -0.1"),
-        (["model.mtp.loss_weight=nan"], "model.mtp.loss_weight: expected a number, got nan (float)"),
+        (["model.mtp.loss_weight=nan"], "model.mtp.loss_weight: expected a number, got nan "
+         "(float)"),
         (["model.mtp={loss_weight = 0.1}"], "model.mtp.depth: required; model.mtp needs depth "
          "(the other fields have defaults)"),
         (["parallel.pp=2"], "model.mtp cannot go with parallel.pp > 1 yet (the prediction "
