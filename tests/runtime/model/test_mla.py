@@ -110,7 +110,7 @@ def test_packed_documents_attend_alone_under_every_kernel(mode):
          "model.mla.q_lora_rank? its fields: q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
          "qk_rope_head_dim, v_head_dim"),
         ("model.attention_kind=gqa", 'model: mla is set, but attention_kind="gqa"; set '
-         'attention_kind="mla"'),
+         'attention_kind="mla", or mla = "none" for grouped-query attention'),
         ("model.n_kv_heads=2", 'model: n_kv_heads=2 with attention_kind="mla": latent '
          "attention's shapes are mla's; set n_kv_heads = n_heads=4"),
         ("model.qk_norm=true", 'model: qk_norm=True with attention_kind="mla": latent '

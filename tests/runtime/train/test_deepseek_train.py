@@ -34,7 +34,8 @@ class _MTP(torch.nn.Module):
     """DeepSeek-V3's MTP module 1 as its paper defines it, around transformers' own decoder
     layer: h'_i = M [RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)] (the order of its checkpoints'
     `eh_proj`), h = TRM(h'), P_{i+2} = OutHead(RMSNorm(h)) with the model's embedding and
-    head; loaded from the export's `model.layers.3.*`."""
+    head, h_i the model's last hidden state as transformers hands it to its MTP layers (after
+    the final norm); loaded from the export's `model.layers.3.*`."""
 
     def __init__(self, hf, tensors: dict[str, torch.Tensor]) -> None:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -96,8 +97,8 @@ def _reference(directory: str) -> dict[str, Any]:
     )
     mtp = _MTP(hf, load_file(f"{directory}/model.safetensors"))
     hf.train(), mtp.train()
-    last: list[torch.Tensor] = []  # the model's hidden state before its final norm
-    hf.model.layers[-1].register_forward_hook(lambda _, __, out: last.append(out))
+    last: list[torch.Tensor] = []  # the model's last hidden state (its final norm's output)
+    hf.model.norm.register_forward_hook(lambda _, __, out: last.append(out))
     picked: dict[str, list[torch.Tensor]] = {}
     routers = {n: m for n, m in [*hf.named_modules(), *mtp.named_modules()]
                if n.endswith("mlp.gate")}  # fmt: skip

@@ -563,9 +563,9 @@ LLAMA_31_ROPE = {
                               "original_max_position_embeddings": 64}},
          "rope_parameters.truncate=false is not supported; hp's YaRN rounds its ramp's bounds "
          "outwards (truncate true)"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1,
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 0.5,
                               "original_max_position_embeddings": 64}},
-         "rope_parameters.beta_fast=1.0 must be more than beta_slow=1.0"),
+         "rope_parameters.beta_fast=0.5 must be at least beta_slow=1.0"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": -1,
                               "original_max_position_embeddings": 64}},
          "rope_parameters.mscale=-1.0 must be at least 0"),

@@ -99,7 +99,8 @@ def test_multi_token_prediction_layers_are_left_out_as_transformers_leaves_them(
     mtp["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
     save_file({**weights, **mtp}, tmp_path / "model.safetensors")
     written = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**written, "num_nextn_predict_layers": 1}))
+    depth = {"num_nextn_predict_layers": 1, "num_mtp_layers": 1}  # as DeepSeek's say it
+    (tmp_path / "config.json").write_text(json.dumps({**written, **depth}))
     again = Transformer(config)
     init_from_hf([again], config, str(tmp_path))
     for name, tensor in again.state_dict().items():

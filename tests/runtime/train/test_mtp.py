@@ -33,9 +33,22 @@ def test_each_module_embeds_the_token_k_ahead_and_predicts_the_next():
     assert predicted[0, :, 1].tolist() == [13, IGNORE, 15, 16, IGNORE, IGNORE]
 
 
+def test_a_prediction_stays_in_its_document():
+    """Documents [0 0 0 1 1 2]: module 1 at position 2 would predict t[4], of document 1: no;
+    module 2 at 1 would predict t[4] across the boundary after position 2: no."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    labels = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    _, predicted = mtp_inputs(tokens, labels, torch.ones_like(tokens), 2, documents)
+    assert predicted[0, :, 0].tolist() == [12, 13, IGNORE, 15, IGNORE, IGNORE]
+    assert predicted[0, :, 1].tolist() == [13, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["model.mtp.depth=16"], "model.mtp.depth = 16 is not less than data.seq_length = 16: "
+         "module k predicts the token k + 1 ahead within a sample"),
         (["model.mtp.depth=0"], "model.mtp.depth: must be from 1 to 64, got 0"),
         (["model.mtp.depth=65"], "model.mtp.depth: must be from 1 to 64, got 65"),
         (["model.mtp.loss_weight=-0.1"], "model.mtp.loss_weight: must be at least 0, got -0.1"),
@@ -43,9 +56,6 @@ def test_each_module_embeds_the_token_k_ahead_and_predicts_the_next():
          "(float)"),
         (["model.mtp={loss_weight = 0.1}"], "model.mtp.depth: required; model.mtp needs depth "
          "(the other fields have defaults)"),
-        (["parallel.pp=2"], "model.mtp cannot go with parallel.pp > 1 yet (the prediction "
-         "modules need the embedding on the last stage); set parallel.pp = 1, or drop "
-         "model.mtp"),
     ],
 )  # fmt: skip
 def test_a_bad_mtp_is_one_line_naming_it(overrides, message):

@@ -22,7 +22,7 @@ BASE = [
     "optim.warmup_steps=0", "optim.decay_style=constant", "train.eval_interval=0",
     "checkpoint.interval=3",
 ]  # fmt: skip
-NEW_KEYS = ("attention", "rope_scaling", "loss_chunk_tokens")
+NEW_KEYS = ("attention", "rope_scaling", "loss_chunk_tokens", "attention_kind", "mla", "mtp")
 
 
 def _run(run_dir, *overrides: str) -> list[tuple[float, float]]:
@@ -36,7 +36,7 @@ def _as_before_the_keys(checkpoint) -> None:
     path = str(checkpoint / "meta.json")
     meta = storage.read_json(path)
     lines = meta["config"].splitlines()
-    kept = [line for line in lines if not line.lstrip("# ").startswith(NEW_KEYS)]
+    kept = [line for line in lines if line.lstrip("# ").split(" ")[0] not in NEW_KEYS]
     assert len(kept) == len(lines) - len(NEW_KEYS)
     meta["config"] = "\n".join(kept) + "\n"
     storage.write_json(path, meta)

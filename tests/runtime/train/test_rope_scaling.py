@@ -313,9 +313,9 @@ def test_every_bad_rope_scaling_is_one_line_naming_its_field():
         "model.rope_scaling.beta_fast: is not a field of type 'llama3', got 32.0"
     )
     for field, value, problem in (
-        ("beta_fast", 0.5, "must be more than beta_slow=1.0, got 0.5"),
+        ("beta_fast", 0.5, "must be at least beta_slow=1.0, got 0.5"),
         ("beta_slow", 0.0, "must be more than 0, got 0.0"),
-        ("beta_slow", 40.0, "must be more than beta_slow=40.0, got 32.0"),
+        ("beta_slow", 40.0, "must be at least beta_slow=40.0, got 32.0"),
         ("mscale", -0.1, "must be at least 0, got -0.1"),
         ("mscale_all_dim", -1.0, "must be at least 0, got -1.0"),
         ("factor", 0.5, "must be at least 1, got 0.5"),
@@ -324,6 +324,12 @@ def test_every_bad_rope_scaling_is_one_line_naming_its_field():
         assert _bad({**YARN, field: value}) == f"model.rope_scaling.{named}: {problem}"
     for field in ("beta_fast", "mscale"):
         assert _bad({**YARN, field: "1"}).startswith(f"model.rope_scaling.{field}: expected ")
+    with pytest.raises(ConfigError) as error:  # YaRN's ramp divides by ln(theta)
+        load_config(None, [*BASE, "model.rope_theta=1", f"model.rope_scaling={_inline(YARN)}"])
+    assert str(error.value) == (
+        "model: rope_theta=1.0 with rope_scaling type 'yarn': YaRN's ramp needs a rope_theta "
+        "above 1"
+    )
     assert _bad({**TABLE, "factr": 8.0}) == (
         "model.rope_scaling.factr: unknown field; did you mean model.rope_scaling.factor? "
         f"its fields: {FIELDS}"

@@ -359,6 +359,12 @@ class ModelConfig:
         if not isinstance(self.rope_scaling, RopeScaling | None):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} is not a RopeScaling or None")
         self._check_attention_kind()
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.type == "yarn" and not self.rope_theta > 1:
+            raise ValueError(
+                f"rope_theta={self.rope_theta} with rope_scaling type 'yarn': YaRN's ramp needs "
+                "a rope_theta above 1"
+            )
         if not isinstance(self.mtp, MTPConfig | None):
             raise ValueError(f"mtp={self.mtp!r} is not an MTPConfig or None")
         sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
@@ -394,7 +400,10 @@ class ModelConfig:
             raise ValueError(f"mla={self.mla!r} is not an MLAConfig or None")
         if self.attention_kind == "gqa":
             if self.mla is not None:
-                raise ValueError('mla is set, but attention_kind="gqa"; set attention_kind="mla"')
+                raise ValueError(
+                    'mla is set, but attention_kind="gqa"; set attention_kind="mla", or mla = '
+                    '"none" for grouped-query attention'
+                )
             return
         if self.mla is None:
             raise ValueError('attention_kind="mla" needs mla = {kv_lora_rank, ...}')

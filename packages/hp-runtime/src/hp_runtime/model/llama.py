@@ -7,12 +7,11 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hp_runtime.model.attention import Layout, attend
 from hp_runtime.model.config import ModelConfig
 from hp_runtime.model.ffn import FeedForward
-from hp_runtime.model.loss import CHUNK_TOKENS, token_losses
+from hp_runtime.model.loss import CHUNK_TOKENS, token_losses, whole
 from hp_runtime.model.mla import LatentAttention
 from hp_runtime.model.moe import MoE
 from hp_runtime.model.norm import RMSNorm
@@ -78,8 +77,10 @@ class Block(nn.Module):
 class MTPLayer(Block):
     """Module k of `model.mtp` (the block `layers.{n_layers + k - 1}`, DeepSeek-V3's MTP
     module): h' = eh_proj([enorm(embedding of the token k ahead); hnorm(h)]), then the block,
-    and `head_norm` of its output for the model's head (DeepSeek's `shared_head.norm`), all
-    inside its forward, where FSDP has gathered them."""
+    then `head_norm` (DeepSeek's `shared_head.norm`), all inside its forward, where FSDP has
+    gathered them. `h` is what the model's head reads (its final norm's output) for the first
+    module, the previous module's output for the others, as transformers' `MtpLayer` and
+    Megatron chain them."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
@@ -90,11 +91,10 @@ class MTPLayer(Block):
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, tables: torch.Tensor, layout: Layout, embedded: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the hidden state the next module reads, the head's input)."""
+    ) -> torch.Tensor:
+        """The head's input, which the next module reads too."""
         h = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(x)), dim=-1))
-        h = super().forward(h, tables, layout)
-        return h, self.head_norm(h)
+        return self.head_norm(super().forward(h, tables, layout))
 
 
 class Transformer(nn.Module):
@@ -165,14 +165,16 @@ class Transformer(nn.Module):
             documents=documents,
             rows=rows,
         )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # token ids are embedded; a hidden state (a later pipeline stage's input) goes on as it
+        # is, also where a stage holds the embedding for its prediction modules
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embed else tokens
         predictors = []
         for key, layer in self.layers.items():
             if int(key) < self.config.n_layers:
                 h = layer(h, self.rotary, layout)
             else:
                 predictors.append(layer)
-        hidden = h
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
@@ -184,12 +186,9 @@ class Transformer(nn.Module):
             return losses
         extra = 0
         for k, layer in enumerate(predictors):
-            hidden, head_input = layer(
-                hidden, self.rotary, layout, self.tok_embeddings(mtp_tokens[..., k])
-            )
-            predicted = token_losses(self.output, head_input, mtp_labels[..., k], loss_chunk_tokens)
-            total = predicted.detach().sum()
-            self.mtp_losses[k] += total.full_tensor() if isinstance(total, DTensor) else total
+            h = layer(h, self.rotary, layout, self.tok_embeddings(mtp_tokens[..., k]))
+            predicted = token_losses(self.output, h, mtp_labels[..., k], loss_chunk_tokens)
+            self.mtp_losses[k] += whole(predicted.detach().sum())
             extra = extra + predicted
         mtp = self.config.mtp
         assert mtp is not None

@@ -149,13 +149,25 @@ def token_losses(
     return torch.cat(parts, dim=1)
 
 
+def whole(total: torch.Tensor) -> torch.Tensor:
+    """A summed loss as a plain tensor: a vocabulary-parallel loss's sum (a DTensor) gathered."""
+    gather = getattr(total, "full_tensor", None)
+    return gather() if gather is not None else total
+
+
 def mtp_inputs(
-    tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, depth: int
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    depth: int,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For a micro-batch's whole rows (b, s): the token each module k (1..depth) embeds at
-    position i, t[i + k], and the one it predicts there, t[i + k + 1] (`ignore` where that
-    is past the sample or its loss_mask is 0: a target keeps its own mask, as Megatron's
-    rolled loss mask), stacked (b, s, depth) each. t[s] is the last label: the sample holds
+    position i, t[i + k], and the one it predicts there, t[i + k + 1], stacked (b, s, depth)
+    each. A target is IGNORE past the sample, where its own loss_mask is 0 (Megatron's rolled
+    loss mask), and, under document masking (`documents`, (b, s)), where position i + k lies
+    in another document than i: attention stays in i's document, and so does its prediction
+    (Megatron's packed roll stops at a boundary too). t[s] is the last label: a sample holds
     s + 1 tokens. Made from whole rows, before context parallelism takes a rank's."""
     ids = torch.cat((tokens, labels[:, -1:]), dim=1)  # t[0..s]
     targets = labels.masked_fill(loss_mask == 0, IGNORE)
@@ -164,5 +176,9 @@ def mtp_inputs(
     inputs, predicted = [], []
     for k in range(1, depth + 1):
         inputs.append(torch.cat((ids[:, k:], pad_ids.expand(-1, k - 1)), dim=1))
-        predicted.append(torch.cat((targets[:, k:], pad_targets.expand(-1, k)), dim=1))
+        ahead = torch.cat((targets[:, k:], pad_targets.expand(-1, k)), dim=1)
+        if documents is not None:
+            crossed = documents[:, k:] != documents[:, :-k]  # (b, s - k)
+            ahead[:, : crossed.shape[1]] = ahead[:, : crossed.shape[1]].masked_fill(crossed, IGNORE)
+        predicted.append(ahead)
     return torch.stack(inputs, dim=-1), torch.stack(predicted, dim=-1)

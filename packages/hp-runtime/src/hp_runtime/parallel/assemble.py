@@ -209,7 +209,7 @@ def assemble(
         expert_mesh=expert_mesh,
         float8=float8,
     )
-    if dims.pp > 1 and config.tie_embeddings:
+    if dims.pp > 1 and (config.tie_embeddings or config.mtp is not None):
         assembly.tied, assembly.tied_group = tied_weight(stages), tied_group
         first_rank = int(mesh["pp"].mesh[0])  # type: ignore[index]
         broadcast_tied(assembly.tied, tied_group, first_rank)

@@ -1,8 +1,9 @@
 """Pipeline parallel with torch.distributed.pipelining: split by layers, build the schedule.
 
 Every stage is the whole Transformer built on meta with the layers it does not own deleted
-(the embedding kept on the first stage, norm and head on the last), so parameter names stay
-those of the full model. With `virtual_stages` v > 1 a rank holds v stages, rank r owning
+(the embedding kept on the first stage, norm and head on the last; the multi-token prediction
+modules and a copy of the embedding on the last too), so parameter names stay those of the
+full model. With `virtual_stages` v > 1 a rank holds v stages, rank r owning
 stages r, r + pp, r + 2 pp, ... (the interleaved layout).
 """
 
@@ -56,18 +57,25 @@ def stage_modules(
     virtual_stages: int = 1,
     counts: list[int] | None = None,
 ) -> list[tuple[int, nn.Module]]:
-    """(stage id, module) for each stage this rank owns, cut from a model on meta."""
+    """(stage id, module) for each stage this rank owns, cut from a model on meta. The
+    model's layers are split; its multi-token prediction modules (the layers after them) go
+    to the last stage, with a copy of the embedding they read (kept equal to the first
+    stage's as a tied embedding is: `tied.py`)."""
     total = pp_size * virtual_stages
-    sizes = layers_per_stage(len(model.layers), total, counts)
+    config = model.config
+    sizes = layers_per_stage(config.n_layers, total, counts)
     starts = [sum(sizes[:i]) for i in range(total)]
+    predictors = {str(i) for i in range(config.n_layers, config.total_layers)}
     owned = []
     for stage in range(pp_rank, total, pp_size):
         module = copy.deepcopy(model) if virtual_stages > 1 else model
         keep = {str(i) for i in range(starts[stage], starts[stage] + sizes[stage])}
+        if stage == total - 1:
+            keep |= predictors
         for name in list(module.layers):
             if name not in keep:
                 del module.layers[name]
-        if stage != 0:
+        if stage != 0 and not (stage == total - 1 and predictors):
             module.tok_embeddings = None
         if stage != total - 1:
             module.norm = None

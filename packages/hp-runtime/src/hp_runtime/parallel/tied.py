@@ -1,6 +1,8 @@
-"""Tied input/output embeddings across pipeline stages.
+"""Tied input/output embeddings across pipeline stages, and the embedding the last stage's
+multi-token prediction modules read (`model.mtp`): the same machinery, the same pair.
 
-The first stage owns the embedding, the last the head that shares its weight. Each keeps its
+The first stage owns the embedding, the last the head that shares its weight (or its own copy
+of the embedding). Each keeps its
 own copy; they start equal (broadcast from the first stage) and stay equal because, after
 backward, their gradients are summed over a group of exactly the two stages before the
 optimizer step. With FSDP the local shards are summed (both are sharded alike over the same
@@ -42,7 +44,7 @@ def stage_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup
 
 def tied_weight(stages: list) -> torch.nn.Parameter | None:
     """This rank's copy of the tied weight: the embedding on the first stage, the head on the
-    last (None in between)."""
+    last, or the embedding there where the prediction modules hold one (None in between)."""
     for _, module in stages:
         if module.tok_embeddings is not None:
             return module.tok_embeddings.weight

@@ -87,11 +87,16 @@ def _check_mtp(config: ModelConfig, family: Family, directory: str) -> None:
     if config.mtp is None:
         return
     depth = mtp_depth(*_config_json(directory)) if family is DEEPSEEK_V3 else 0
+    if not depth:
+        raise TrainError(
+            f"model.init_from: {directory} has no multi-token prediction layers, the config "
+            f'model.mtp.depth={config.mtp.depth}; drop model.mtp (model.mtp = "none")'
+        )
     if depth != config.mtp.depth:
         raise TrainError(
             f"model.init_from: {directory} has num_nextn_predict_layers={depth}, the config "
-            f"model.mtp.depth={config.mtp.depth}; set model.mtp.depth = {depth}"
-            + (" (or drop model.mtp)" if depth else " or drop model.mtp")
+            f"model.mtp.depth={config.mtp.depth}; set model.mtp.depth = {depth} (or drop "
+            "model.mtp)"
         )
 
 
@@ -293,6 +298,7 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
     from hp_runtime.model.rotary import inverse_frequencies
 
     family = family_of(config)
+    saved = mtp_depth(*_config_json(directory)) if family is DEEPSEEK_V3 else 0
     with torch.device("meta"):
         model = Transformer(config)
     taken = {hf for name, _ in _state(model) for hf in _sources(family, config, name, weights)}
@@ -300,7 +306,7 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
     unused = []
     for name in sorted(set(weights) - taken):
         tensor = weights[name]
-        if _is_mtp(family, config, name):  # left out, as transformers' model leaves them
+        if _is_mtp(config, saved, name):  # left out, as transformers' model leaves them
             continue
         copy = _mtp_copy(config, name)
         if copy is not None:  # DeepSeek's copy of the embedding or the head in a module
@@ -331,13 +337,13 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
         )
 
 
-def _is_mtp(family: Family, config: ModelConfig, name: str) -> bool:
-    """A DeepSeek-V3 multi-token prediction layer's tensor that hp's model has no module for
+def _is_mtp(config: ModelConfig, saved: int, name: str) -> bool:
+    """A tensor of one of the `saved` multi-token prediction layers a DeepSeek-V3 checkpoint
+    holds after the model's (`num_nextn_predict_layers`) that hp's model has no module for
     (all of them without `model.mtp`)."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return (
-        family is DEEPSEEK_V3 and match is not None and int(match.group(1)) >= config.total_layers
-    )
+    layer = int(match.group(1)) if match is not None else -1
+    return config.total_layers <= layer < config.n_layers + saved
 
 
 def _mtp_copy(config: ModelConfig, name: str) -> str | None:

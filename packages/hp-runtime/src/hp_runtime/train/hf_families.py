@@ -388,11 +388,12 @@ def _write_deepseek_v3(config: ModelConfig) -> dict[str, Any]:
     fields |= {"num_nextn_predict_layers": depth, "num_mtp_layers": depth}
     fields["attention_bias"] = False
     if config.moe is None:
-        return {
-            **fields,
+        # every layer dense, the prediction modules' too (transformers counts its MTP layers)
+        dense = {
             "intermediate_size": config.ffn_hidden,
-            "first_k_dense_replace": config.n_layers,
+            "first_k_dense_replace": config.total_layers,
         }
+        return {**fields, **dense}
     return {**fields, **_write_shared(config)}
 
 

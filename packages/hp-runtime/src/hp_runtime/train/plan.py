@@ -256,8 +256,11 @@ def traced_activations(config: Config, layers: int) -> int:
         model.to(torch.bfloat16)
     elif mixed:  # one replica: autocast over fp32 weights, as train/setup.py `precision`
         autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    depth = local.total_layers - local.n_layers  # multi-token prediction: its modules run too
+    predict = torch.zeros(*tokens.shape, depth, dtype=torch.long, device="meta")
+    mtp = {"mtp_tokens": predict, "mtp_labels": predict} if depth else {}
     with autocast, _flash_attention(), torch.autograd.graph.saved_tensors_hooks(pack, _same_x):
-        model(tokens, labels=tokens, loss_chunk_tokens=t.loss_chunk_tokens)
+        model(tokens, labels=tokens, loss_chunk_tokens=t.loss_chunk_tokens, **mtp)
     return total - residual + residual // tp
 
 
@@ -426,7 +429,7 @@ def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> 
         out["pp"] = int(micro * 2 * activation // dims.tp)
     if dims.ep > 1 and m.moe is not None:
         routed = t.micro_batch_size * seq * m.moe.top_k * m.dim * compute
-        moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers)) // dims.pp
+        moe_layers = sum(m.is_moe_layer(i) for i in range(m.total_layers)) // dims.pp
         out["ep"] = int(micro * moe_layers * 4 * routed * (dims.ep - 1) / dims.ep)
     return out
 

@@ -149,7 +149,9 @@ class Stepper:
             return micro
         out = []
         for mb in micro:
-            ahead, targets = mtp_inputs(mb["tokens"], mb["labels"], mb["loss_mask"], self.mtp_depth)
+            ahead, targets = mtp_inputs(
+                mb["tokens"], mb["labels"], mb["loss_mask"], self.mtp_depth, mb.get("documents")
+            )
             out.append({**mb, "mtp_tokens": ahead, "mtp_labels": targets})
         return out
 
@@ -195,10 +197,14 @@ class Stepper:
             targets = None
             if a.has_last_stage:
                 targets = torch.cat([self._labels(mb) for mb in group])
-            # The last stage's forward takes the labels too: it returns per-token losses.
+            # The last stage's forward takes the labels too: it returns per-token losses (and
+            # with them the prediction modules' inputs, in training).
             forward = None
             if targets is not None:
                 forward = {"labels": targets, "loss_chunk_tokens": self.loss_chunk_tokens}
+                for name in ("mtp_tokens", "mtp_labels"):
+                    if name in group[0]:
+                        forward[name] = torch.cat([mb[name] for mb in group])
             loss = pipeline_step(
                 a.schedule,
                 a.stage_ids,

@@ -56,10 +56,10 @@ def check(config: Config) -> None:
             "model.attention = 'segments' reads document boundaries on the host, which a "
             "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
-    if model.mtp is not None and config.parallel.pp > 1:
+    if model.mtp is not None and model.mtp.depth >= data.seq_length:
         raise ConfigError(
-            "model.mtp cannot go with parallel.pp > 1 yet (the prediction modules need the "
-            "embedding on the last stage); set parallel.pp = 1, or drop model.mtp"
+            f"model.mtp.depth = {model.mtp.depth} is not less than data.seq_length = "
+            f"{data.seq_length}: module k predicts the token k + 1 ahead within a sample"
         )
     check_profile(config.metrics)
     check_moe(config)
