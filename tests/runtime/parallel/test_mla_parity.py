@@ -34,7 +34,6 @@ LAYOUTS = {
     "tp2-full-q": (2, {"tp": 2}, FULL_Q, None, None),
     "pp2": (2, {"pp": 2}, MLA, {"schedule": "1f1b"}, "mask"),
     "cp2-mask": (2, {"cp": 2}, MLA, None, "mask"),
-    "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, MLA, None, None),
     "ep2": (2, {"dp_shard": 2, "ep": 2}, MOE, None, None),
     "tp2-ac-selective": (2, {"tp": 2}, MLA, {"ac": "selective"}, None),
     "fsdp2-compile": (2, {"dp_shard": 2}, MLA, {"compile": True}, None),

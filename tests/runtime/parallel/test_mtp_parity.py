@@ -19,7 +19,6 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"], []),
     "ep2": (2, ["parallel.dp_shard=2", "parallel.ep=2"], []),
     "cp2-dense": (2, ["parallel.cp=2"], DENSE),
-    "fsdp2xcp2-dense": (4, ["parallel.dp_shard=2", "parallel.cp=2"], DENSE),
     # the modules on the last stage, with a copy of the embedding kept equal to the first's
     "pp2": (2, ["parallel.pp=2", "parallel.pp_microbatches=2"], []),
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pp_microbatches=2"], []),

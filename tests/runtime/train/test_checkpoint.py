@@ -209,7 +209,7 @@ def test_time_limit_stops_before_it_with_a_checkpoint(tmp_path):
 
 
 # Resharding, in spawned ranks through the library: (world, layout) pairs.
-DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.max_seq_len=64", "model.mtp=none"]
+DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.max_seq_len=64"]
 RESHARD = {
     "fsdp2xtp2-to-fsdp4": ((4, ["parallel.dp_shard=2", "parallel.tp=2"]),
                            (4, ["parallel.dp_shard=4"])),

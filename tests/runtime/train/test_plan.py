@@ -158,7 +158,6 @@ DEEPSEEK_2048 = [
     "model.preset=deepseek-v3-671b", "data.type=dummy", "data.seq_length=4096",
     "parallel.dp_shard=128", "parallel.ep=64", "parallel.pp=16", "train.micro_batch_size=1",
     "train.global_batch_size=4096", "parallel.activation_checkpointing=full", "train.steps=1",
-    "model.mtp=none",  # its MTP module cannot go with a pipeline yet
 ]  # fmt: skip
 
 
@@ -179,6 +178,8 @@ def test_deepseek_v3_671b_plans_on_2048_ranks():
     middle = next(t for t in report["rank_types"] if t["stage"] == 1)
     assert middle["gathered_bytes"] == moe_block * (2 * 2 + 4)  # bf16 gathered, fp32 grads
     assert middle["layers"] == 4  # 61 layers over 16 stages: the first 13 hold 4
+    last = next(t for t in report["rank_types"] if t["stage"] == 15)
+    assert last["layers"] == 3 + 1  # and the MTP module on the last stage
     experts_sent = 3 * dim * hidden * (experts // 64) // 2 * (2 - 1)  # a group of 2 ranks
     rows = {  # the dense weights' (rows, columns): each rank's rows padded to ceil(rows / 128)
         "wq_a": (1536, dim), "q_norm": (1536, 1), "wq_b": (128 * 192, 1536),
