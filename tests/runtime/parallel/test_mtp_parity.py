@@ -22,6 +22,12 @@ LAYOUTS = {
     # the modules on the last stage, with a copy of the embedding kept equal to the first's
     "pp2": (2, ["parallel.pp=2", "parallel.pp_microbatches=2"], []),
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pp_microbatches=2"], []),
+    # FSDP's shards of the two copies summed; the head tied to the last stage's copy too
+    "fsdp2xpp2-tied": (
+        4,
+        ["parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_microbatches=2"],
+        ["model.tie_embeddings=true"],
+    ),
 }
 
 

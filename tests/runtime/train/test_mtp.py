@@ -33,9 +33,10 @@ def test_each_module_embeds_the_token_k_ahead_and_predicts_the_next():
     assert predicted[0, :, 1].tolist() == [13, IGNORE, 15, 16, IGNORE, IGNORE]
 
 
-def test_a_prediction_stays_in_its_document():
-    """Documents [0 0 0 1 1 2]: module 1 at position 2 would predict t[4], of document 1: no;
-    module 2 at 1 would predict t[4] across the boundary after position 2: no."""
+def test_a_modules_input_stays_in_its_positions_document():
+    """Documents [0 0 0 1 1 2]: module 1 at position 2 would embed t[3], of document 1: no
+    prediction there; at 1 it embeds t[2] (document 0, the document's end) and predicts t[3],
+    as the main loss at position 2 does. Module 2 at 1 would embed t[3]: no prediction."""
     tokens = torch.tensor([[10, 11, 12, 13, 14, 15]])
     labels = torch.tensor([[11, 12, 13, 14, 15, 16]])
     documents = torch.tensor([[0, 0, 0, 1, 1, 2]])
@@ -47,8 +48,9 @@ def test_a_prediction_stays_in_its_document():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.mtp.depth=16"], "model.mtp.depth = 16 is not less than data.seq_length = 16: "
-         "module k predicts the token k + 1 ahead within a sample"),
+        (["model.mtp.depth=16"], "data.seq_length=16 is not more than model.mtp.depth=16: "
+         "prediction module k predicts the token k + 1 ahead within a sample; lower the depth "
+         "or lengthen it"),
         (["model.mtp.depth=0"], "model.mtp.depth: must be from 1 to 64, got 0"),
         (["model.mtp.depth=65"], "model.mtp.depth: must be from 1 to 64, got 65"),
         (["model.mtp.loss_weight=-0.1"], "model.mtp.loss_weight: must be at least 0, got -0.1"),

@@ -200,7 +200,7 @@ def initial_tensor(config: ModelConfig, name: str, shape: torch.Size, seed: int)
     from a generator of its own, seeded by `seed` and the name, so the value does not depend
     on which other parameters a process holds or in what order it draws them."""
     if config.tie_embeddings and name == "output.weight":
-        name = "tok_embeddings.weight"  # a pipeline's last stage holds the tied head alone
+        name = "tok_embeddings.weight"  # the same value (a pipeline's last stage holds a copy)
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith("expert_bias"):  # a buffer, the balancing state: starts even

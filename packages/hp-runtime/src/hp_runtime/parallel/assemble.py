@@ -104,7 +104,8 @@ class Assembly:
 
     @property
     def _last_tied_copy(self) -> nn.Parameter | None:
-        """The head's copy of a tied embedding on a last stage without the first."""
+        """The last stage's copy of the embedding (a tied head, or the one its multi-token
+        prediction modules read) on a rank without the first stage."""
         return self.tied if self.tied is not None and not self.has_first_stage else None
 
     def finish_gradients(self, max_norm: float, sync_tied: bool = True) -> torch.Tensor:

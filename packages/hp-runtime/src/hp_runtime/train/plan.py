@@ -319,9 +319,11 @@ def rank_type(
     finally:
         dist.destroy_process_group()
     layers = sum(len(module.layers) for module in modules)
-    first = any(module.tok_embeddings is not None for module in modules)
+    # the multi-token prediction modules' activations are the traced head's (`traced_activations`)
+    blocks = sum(int(key) < config.model.n_layers for m in modules for key in m.layers)
+    first = stage == 0  # the last stage's embedding (for its prediction modules) embeds no input
     last = any(module.output is not None for module in modules)
-    activation = traced.stage(layers, first, last)
+    activation = traced.stage(blocks, first, last)
     micro = batch_plan(config).accumulation
     in_flight = micro if p.pp_schedule == "gpipe" else min(micro, dims.pp - stage)
     compute = 2 if param_dtype is not None else 4

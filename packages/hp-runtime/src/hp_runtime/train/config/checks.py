@@ -56,11 +56,6 @@ def check(config: Config) -> None:
             "model.attention = 'segments' reads document boundaries on the host, which a "
             "compiled block cannot: use model.attention = 'auto', or parallel.compile = false"
         )
-    if model.mtp is not None and model.mtp.depth >= data.seq_length:
-        raise ConfigError(
-            f"model.mtp.depth = {model.mtp.depth} is not less than data.seq_length = "
-            f"{data.seq_length}: module k predicts the token k + 1 ahead within a sample"
-        )
     check_profile(config.metrics)
     check_moe(config)
     check_phases(config)
@@ -118,6 +113,12 @@ def check_float8(config: Config) -> None:
 
 def check_length(key: str, length: int, config: Config) -> None:
     """A sequence length (`data.seq_length`, a phase's) against the model and the layout."""
+    mtp = config.model.mtp
+    if mtp is not None and mtp.depth >= length:
+        raise ConfigError(
+            f"{key}={length} is not more than model.mtp.depth={mtp.depth}: prediction module "
+            "k predicts the token k + 1 ahead within a sample; lower the depth or lengthen it"
+        )
     if length > config.model.max_seq_len:
         raise ConfigError(
             f"{key}={length} is longer than model.max_seq_len="
