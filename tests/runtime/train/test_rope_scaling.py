@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from hp_runtime.model import PRESETS, ModelConfig
-from hp_runtime.model.config import LLAMA_31_SCALING, LLAMA_32_SCALING, RopeScaling
+from hp_runtime.model.config import RopeScaling
+from hp_runtime.model.presets import LLAMA_31_SCALING, LLAMA_32_SCALING
 from hp_runtime.model.rotary import inverse_frequencies, rotary_tables
 from hp_runtime.train.config import ConfigError, build_config, load_config, to_toml
 from hypothesis import given, settings

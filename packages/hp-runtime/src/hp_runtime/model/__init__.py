@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING
 from hp_runtime.lazy_names import lazy_names
 
 if TYPE_CHECKING:
-    from hp_runtime.model.config import PRESETS, ModelConfig, RopeScaling, preset
+    from hp_runtime.model.config import ModelConfig, RopeScaling
     from hp_runtime.model.llama import Transformer, initial_tensor
+    from hp_runtime.model.presets import PRESETS, preset
 
 # Each public name and the module that defines it.
 _HOMES = {
-    "PRESETS": "hp_runtime.model.config",
+    "PRESETS": "hp_runtime.model.presets",
     "ModelConfig": "hp_runtime.model.config",
     "RopeScaling": "hp_runtime.model.config",
-    "preset": "hp_runtime.model.config",
+    "preset": "hp_runtime.model.presets",
     "Transformer": "hp_runtime.model.llama",
     "initial_tensor": "hp_runtime.model.llama",
 }

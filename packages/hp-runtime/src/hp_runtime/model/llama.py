@@ -114,8 +114,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.register_buffer("rotary", rotary_tables(config), persistent=False)
         # each prediction module's summed cross-entropy since `Stepper` zeroed it (for the log)
-        depth = config.total_layers - config.n_layers
-        self.register_buffer("mtp_losses", torch.zeros(depth), persistent=False)
+        self.register_buffer("mtp_losses", torch.zeros(config.mtp_depth), persistent=False)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head, when asked. `to_empty` and `parallelize_module`
@@ -153,7 +152,7 @@ class Transformer(nn.Module):
         (context parallelism); `position_ids` and `documents` then cover the whole sequence.
         With `labels` (b, r) the head returns each token's cross-entropy (b, r) instead, its
         logits computed `loss_chunk_tokens` at a time (`loss.token_losses`), never all at
-        once; with `mtp_tokens` and `mtp_labels` (b, r, depth: `mtp.mtp_inputs`) the
+        once; with `mtp_tokens` and `mtp_labels` (b, r, depth: `loss.mtp_inputs`) the
         multi-token prediction modules run too, and each token's loss adds theirs, weighted
         `model.mtp.loss_weight / depth` (without them, as in evaluation, they do not run)."""
         positions = position_ids

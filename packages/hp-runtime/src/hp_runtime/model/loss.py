@@ -165,10 +165,11 @@ def mtp_inputs(
     """For a micro-batch's whole rows (b, s): the token each module k (1..depth) embeds at
     position i, t[i + k], and the one it predicts there, t[i + k + 1], stacked (b, s, depth)
     each. A target is IGNORE past the sample, where its own loss_mask is 0 (Megatron's rolled
-    loss mask), and, under document masking (`documents`, (b, s)), where position i + k lies
-    in another document than i: attention stays in i's document, and so does its prediction
-    (Megatron's packed roll stops at a boundary too). t[s] is the last label: a sample holds
-    s + 1 tokens. Made from whole rows, before context parallelism takes a rank's."""
+    loss mask), and, under document masking (`documents`, (b, s)), where the token it embeds,
+    t[i + k], lies in another document than position i: attention stays in i's document, and
+    so do the module's inputs (Megatron's packed roll stops at a boundary too). t[s] is the
+    last label: a sample holds s + 1 tokens. Made from whole rows, before context parallelism
+    takes a rank's."""
     ids = torch.cat((tokens, labels[:, -1:]), dim=1)  # t[0..s]
     targets = labels.masked_fill(loss_mask == 0, IGNORE)
     pad_ids = torch.zeros_like(tokens[:, :1])

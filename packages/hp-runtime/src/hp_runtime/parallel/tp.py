@@ -132,6 +132,27 @@ class _SumRopeGrad(torch.autograd.Function):
         return torch.cat((grad[..., : ctx.start], rope), dim=-1), None, None
 
 
+def _attention_plan(attention: nn.Module, styles: _Styles) -> dict[str, object]:
+    """Grouped-query attention's heads split (see above); the per-head q and k norms on each
+    rank's heads (dim 2)."""
+    plan: dict[str, object] = {
+        "attention": styles.prepare(
+            attention,
+            ("wq", "wk", "wv"),
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "attention.wq": styles.colwise(attention.wq),
+        "attention.wk": styles.colwise(attention.wk),
+        "attention.wv": styles.colwise(attention.wv),
+        "attention.wo": styles.rowwise(attention.wo),
+    }
+    if attention.q_norm is not None:
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
 def _latent_attention_plan(
     attention: LatentAttention, styles: _Styles, mesh: DeviceMesh
 ) -> dict[str, object]:
@@ -242,21 +263,7 @@ def apply_tp(
         if isinstance(attention, LatentAttention):
             heads = _latent_attention_plan(attention, styles, mesh)
         else:
-            heads = {
-                "attention": styles.prepare(
-                    attention,
-                    ("wq", "wk", "wv"),
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                ),
-                "attention.wq": styles.colwise(attention.wq),
-                "attention.wk": styles.colwise(attention.wk),
-                "attention.wv": styles.colwise(attention.wv),
-                "attention.wo": styles.rowwise(attention.wo),
-            }
-            if attention.q_norm is not None:  # per head, on each rank's heads (dim 2)
-                heads["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-                heads["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            heads = _attention_plan(attention, styles)
         plan = {
             "attention_norm": SequenceParallel(),
             **heads,

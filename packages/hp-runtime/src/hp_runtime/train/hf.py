@@ -29,14 +29,8 @@ from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import toml_value
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.export_output import ExportTarget
-from hp_runtime.train.hf_config import MOE_SHAPE, config_json, read_config
-from hp_runtime.train.hf_families import (
-    DEEPSEEK_V3,
-    Family,
-    export_family,
-    family_of,
-    mtp_depth,
-)
+from hp_runtime.train.hf_config import MOE_SHAPE, config_json, mtp_depth, read_config
+from hp_runtime.train.hf_families import DEEPSEEK_V3, Family, export_family, family_of
 from hp_runtime.train.hf_names import MTP_COPIES, STACKED, hf_names, is_fused, rope_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -146,11 +140,10 @@ def _to_hf(
         for hf, part in zip(names, tensor.unbind(0) if stacked else [tensor], strict=True):
             kind = torch.float32 if hf.endswith(family.fp32) else DTYPES[dtype]
             named[hf] = part.to(kind, copy=stacked).contiguous()  # a view of the stack: copied
-    head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
-    shared = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": head}
     for layer in range(config.n_layers, config.total_layers):  # DeepSeek's copies, per module
         for copy, name in MTP_COPIES.items():
-            named[f"model.layers.{layer}.{copy}"] = named[shared[name]].clone()
+            own = _sources(family, config, name, named)[0]
+            named[f"model.layers.{layer}.{copy}"] = named[own].clone()
     return named
 
 
@@ -308,7 +301,7 @@ def _check_extra(weights: dict[str, torch.Tensor], config: ModelConfig, director
         tensor = weights[name]
         if _is_mtp(config, saved, name):  # left out, as transformers' model leaves them
             continue
-        copy = _mtp_copy(config, name)
+        copy = _mtp_copy(family, config, name)
         if copy is not None:  # DeepSeek's copy of the embedding or the head in a module
             main = weights.get(copy)
             if main is not None and torch.equal(tensor, main):
@@ -346,18 +339,14 @@ def _is_mtp(config: ModelConfig, saved: int, name: str) -> bool:
     return config.total_layers <= layer < config.n_layers + saved
 
 
-def _mtp_copy(config: ModelConfig, name: str) -> str | None:
+def _mtp_copy(family: Family, config: ModelConfig, name: str) -> str | None:
     """The model's own tensor (HF name) that `name` copies, if it is a prediction module's
     copy of the embedding or the head."""
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if match is None or not config.n_layers <= int(match.group(1)) < config.total_layers:
         return None
     own = MTP_COPIES.get(match.group(2))
-    if own is None:
-        return None
-    if own == "output.weight" and not config.tie_embeddings:
-        return "lm_head.weight"
-    return "model.embed_tokens.weight"
+    return None if own is None else _sources(family, config, own, {})[0]
 
 
 def _full(

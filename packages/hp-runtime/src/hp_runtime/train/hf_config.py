@@ -13,15 +13,14 @@ from hp_runtime.train.errors import TrainError
 from hp_runtime.train.hf_families import (
     _REQUIRED,
     FAMILIES,
-    HF_SCALINGS,
     LLAMA,
     Family,
-    _hf_rope,
     _json,
     _positive,
     _same,
     export_family,
 )
+from hp_runtime.train.hf_rope import HF_SCALINGS, hf_rope
 
 
 def config_json(config: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -37,7 +36,7 @@ def config_json(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": config.n_kv_heads,
         "head_dim": config.head_size,
         "max_position_embeddings": config.max_seq_len,
-        **_hf_rope(config),
+        **hf_rope(config),
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu",
@@ -254,3 +253,16 @@ def _checked(path: str, fields: dict[str, Any]) -> dict[str, Any]:
     except ValueError as exc:
         raise TrainError(f"{path}: {exc}") from None
     return fields
+
+
+def mtp_depth(path: str, hf: dict[str, Any]) -> int:
+    """The multi-token prediction layers a DeepSeek-V3 config.json says its checkpoint holds
+    after the model's (`num_nextn_predict_layers`; transformers 5's `num_mtp_layers`)."""
+    given = {k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
+    if len({_json(v) for v in given.values()}) > 1:
+        both = ", ".join(f"{k}={_json(v)}" for k, v in given.items())
+        raise TrainError(f"{path}: {both} disagree; give one")
+    depth = next(iter(given.values()), 0)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise TrainError(f"{path}: num_nextn_predict_layers={_json(depth)} must be an integer >= 0")
+    return depth

@@ -34,6 +34,7 @@ from typing import Any
 from hp_runtime.model import ModelConfig
 from hp_runtime.model.config import FieldError, MLAConfig, MoEConfig
 from hp_runtime.train.errors import TrainError
+from hp_runtime.train.hf_rope import hf_rope
 
 _REQUIRED = object()
 
@@ -302,7 +303,7 @@ def _write_dots1(config: ModelConfig) -> dict[str, Any]:
 def _write_glm4_moe(config: ModelConfig) -> dict[str, Any]:
     """GLM-4-MoE rotates a fraction of each head (partial_rotary_factor, 0.5 by default):
     hp rotates all of it. transformers 4 reads the factor at the top, 5 in rope_parameters."""
-    rope = {**_hf_rope(config)["rope_parameters"], "partial_rotary_factor": 1.0}
+    rope = {**hf_rope(config)["rope_parameters"], "partial_rotary_factor": 1.0}
     return {
         **_write_shared(config),
         "use_qk_norm": config.qk_norm,
@@ -578,19 +579,6 @@ def family_of(config: ModelConfig) -> Family:
     return DOTS1 if config.qk_norm else GLM4_MOE
 
 
-def mtp_depth(path: str, hf: dict[str, Any]) -> int:
-    """The multi-token prediction layers a DeepSeek-V3 config.json says its checkpoint holds
-    after the model's (`num_nextn_predict_layers`; transformers 5's `num_mtp_layers`)."""
-    given = {k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
-    if len({_json(v) for v in given.values()}) > 1:
-        both = ", ".join(f"{k}={_json(v)}" for k, v in given.items())
-        raise TrainError(f"{path}: {both} disagree; give one")
-    depth = next(iter(given.values()), 0)
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise TrainError(f"{path}: num_nextn_predict_layers={_json(depth)} must be an integer >= 0")
-    return depth
-
-
 def export_family(config: ModelConfig) -> Family:
     """`family_of`, and what an export of a trained model needs beyond its shape: under
     softmax, a balancing bias (load_balance "bias") chose the experts, and neither Mixtral
@@ -608,42 +596,3 @@ def export_family(config: ModelConfig) -> Family:
             f"family: the bias chose the experts, and {family.label} has none"
         )
     return family
-
-
-# An HF rope dict's llama3 fields, and the RopeScaling field each sets.
-_HF_SCALING = {
-    "factor": "factor",
-    "low_freq_factor": "low_freq_factor",
-    "high_freq_factor": "high_freq_factor",
-    "original_max_position_embeddings": "original_max_seq_len",
-}
-# YaRN's: the first two required, the others optional (transformers' defaults where absent).
-_HF_YARN = {
-    "factor": "factor",
-    "original_max_position_embeddings": "original_max_seq_len",
-    "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow",
-    "mscale": "mscale",
-    "mscale_all_dim": "mscale_all_dim",
-}
-HF_SCALINGS = {"llama3": _HF_SCALING, "yarn": _HF_YARN}
-
-
-def _hf_rope(config: ModelConfig) -> dict[str, Any]:
-    """The rotary fields of config.json: rope_theta and rope_scaling, which transformers 4
-    reads, and rope_parameters, which 5 reads (both as Meta's Llama 3.1 and DeepSeek-V3's
-    configs spell them)."""
-    scaling = config.rope_scaling
-    if scaling is None:
-        return {
-            "rope_theta": config.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        }
-    fields = HF_SCALINGS[scaling.type].items()
-    given = {hf: getattr(scaling, hp) for hf, hp in fields if getattr(scaling, hp) is not None}
-    rope = {"rope_type": scaling.type, **given}
-    return {
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope,
-        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
-    }

@@ -256,7 +256,7 @@ def traced_activations(config: Config, layers: int) -> int:
         model.to(torch.bfloat16)
     elif mixed:  # one replica: autocast over fp32 weights, as train/setup.py `precision`
         autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    depth = local.total_layers - local.n_layers  # multi-token prediction: its modules run too
+    depth = local.mtp_depth  # multi-token prediction: its modules run too
     predict = torch.zeros(*tokens.shape, depth, dtype=torch.long, device="meta")
     mtp = {"mtp_tokens": predict, "mtp_labels": predict} if depth else {}
     with autocast, _flash_attention(), torch.autograd.graph.saved_tensors_hooks(pack, _same_x):

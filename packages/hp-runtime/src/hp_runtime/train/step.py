@@ -102,7 +102,8 @@ class Stepper:
         self._moe_reports = assembly.dp_rank == 0 and assembly.tp_rank == 0
         # Multi-token prediction (model.mtp): its modules' inputs made from the whole rows,
         # and their mean losses of the last step, on the device (`mtp_loss`).
-        self.mtp_depth = config.total_layers - config.n_layers
+        self.mtp_depth = config.mtp_depth
+        self.mtp_weight = config.mtp.loss_weight / config.mtp.depth if config.mtp else 0.0
         self.mtp_loss = torch.zeros(self.mtp_depth, device=self.device)
 
     @contextlib.contextmanager
@@ -156,12 +157,8 @@ class Stepper:
         return out
 
     def _mtp_modules(self) -> list[torch.Tensor]:
-        """This rank's models' `mtp_losses` buffers."""
-        return [
-            m.mtp_losses
-            for m in self.assembly.modules
-            if getattr(m, "mtp_losses", None) is not None
-        ]
+        """This rank's models' `mtp_losses` buffers (each stage has one; the last fills it)."""
+        return [m.mtp_losses for m in self.assembly.modules]
 
     @staticmethod
     def _labels(mb: Batch) -> torch.Tensor:
@@ -272,8 +269,7 @@ class Stepper:
         reported = (local / a.dp_cp_size).float().reshape(1)
         if self.mtp_depth:  # each module's mean loss, and the main loss without them
             mtp = sum(self._mtp_modules()) * self.loss_fn.scale / a.dp_cp_size
-            weight = a.modules[0].config.mtp.loss_weight / self.mtp_depth
-            reported = torch.cat([reported - weight * mtp.sum(), mtp.float()])
+            reported = torch.cat([reported - self.mtp_weight * mtp.sum(), mtp.float()])
         total = self._global(reported, shared)
         depth = self.mtp_depth
         self.mtp_loss = total[1 : 1 + depth]

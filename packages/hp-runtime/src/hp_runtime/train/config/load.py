@@ -12,7 +12,8 @@ from typing import Any
 
 from hp_data.errors import HpDataError
 
-from hp_runtime.model.config import PRESETS, ModelConfig
+from hp_runtime.model.config import ModelConfig
+from hp_runtime.model.presets import PRESETS
 from hp_runtime.train.config.checks import check
 from hp_runtime.train.config.messages import _name, _reason, _shown
 from hp_runtime.train.config.schema import KEYS, SECTIONS, Config, _key_types, key_fields, key_of

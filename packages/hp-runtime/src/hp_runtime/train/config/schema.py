@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Literal
 from hp_data.phases import Phase
 from hp_data.registry import DATASET_REGISTRY, DatasetConfig
 
-from hp_runtime.model.config import CHUNK_TOKENS, PRESETS, FieldError, ModelConfig
+from hp_runtime.model.config import CHUNK_TOKENS, FieldError, ModelConfig
+from hp_runtime.model.presets import PRESETS
 from hp_runtime.parallel.mesh import ParallelDims
 from hp_runtime.parallel.options import Float8, ParallelOptions
 

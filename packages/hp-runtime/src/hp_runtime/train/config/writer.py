@@ -8,7 +8,7 @@ from typing import Any
 
 from hp_data.redact import redact
 
-from hp_runtime.model.config import PRESETS
+from hp_runtime.model.presets import PRESETS
 from hp_runtime.train.config.schema import SECTIONS, Config, as_table, key_fields, key_of
 
 
