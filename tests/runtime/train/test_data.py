@@ -311,3 +311,33 @@ def test_a_key_that_reads_documents_needs_an_eod_id_the_data_gives(runtime, tmp_
         _config(f"data.{key}=true", "train.steps=1", "data.eod_token=3"), runtime, tmp_path
     )
     assert given.eod_token == 3
+
+
+_PREFETCH_EXIT = """
+import sys, torch
+from hp_runtime.train.loader import _Prefetch
+
+def batches():  # collating keeps the thread busy in torch (the GIL released) at exit
+    while True:
+        yield torch.stack([torch.ones(256, 256) for _ in range(64)])
+
+for _ in range(3):
+    prefetch = _Prefetch(batches(), depth=2)
+    next(prefetch)
+    if sys.argv[1] == "close":
+        prefetch.close()
+        assert not prefetch._thread.is_alive()
+"""
+
+
+def test_the_prefetch_thread_is_stopped_before_the_process_exits(tmp_path):
+    """A receiving thread still collating when the interpreter exits aborts the process
+    (pytorch#38228): a finished run exited with SIGABRT now and then under torchrun. The
+    script aborts every time without `close`."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_PREFETCH_EXIT)
+    done = subprocess.run([sys.executable, script, "close"], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]

@@ -26,12 +26,16 @@ Batch = dict[str, torch.Tensor]
 class _Prefetch:
     """Pulls micro-batches from a DataLoader on a background thread, so that receiving a batch
     from a worker process (unpickling, mapping its shared memory: milliseconds) overlaps the
-    step instead of adding to it. An error in the thread is raised in the caller."""
+    step instead of adding to it. An error in the thread is raised in the caller. `close`
+    stops the thread: one left running (collating with the GIL released) when the
+    interpreter exits aborts the process ("terminate called without an active exception",
+    pytorch#38228)."""
 
     _END = object()
 
     def __init__(self, loader: Any, depth: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(loader,), daemon=True)
         self._thread.start()
 
@@ -39,9 +43,24 @@ class _Prefetch:
         try:
             for batch in loader:
                 self._queue.put(batch)
+                if self._stop.is_set():
+                    return
             self._queue.put(self._END)
         except BaseException as exc:  # handed to the consumer
             self._queue.put(exc)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread: it ends after the batch it is making (the queue is drained so
+        that its last put returns)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(0.05)
 
     def __next__(self) -> Batch:
         item = self._queue.get()
@@ -93,9 +112,15 @@ class Loader:
 
     def restart(self, consumed_samples: int) -> None:
         """Start over from `consumed_samples` (validation starts at 0 every time)."""
+        self.close()
         self.sampler.load_state_dict({"consumed_samples": consumed_samples})
-        self._iterator = None
         self._next, self._taken = consumed_samples, 0
+
+    def close(self) -> None:
+        """Let go of the iterator (and stop its thread); `take` starts a new one."""
+        if isinstance(self._iterator, _Prefetch):
+            self._iterator.close()
+        self._iterator = None
 
     def _coming(self) -> list[int]:
         """The sample ids of this rank's next micro-batches (the sampler's order: global

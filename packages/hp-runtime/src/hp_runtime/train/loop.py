@@ -162,6 +162,9 @@ class Loop:
         finally:
             self.profiler.finish(self.state.step)
             self.watchdog.stop()
+            for loader in (self.loader, self.run.valid_loader):
+                if loader is not None:
+                    loader.close()
             self.metrics.close()
         self.plot()
         return self.result
