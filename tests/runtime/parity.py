@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ from hp_runtime.parallel.ep import ExpertDispatch
 from hp_runtime.parallel.options import Float8
 from hp_runtime.parallel.pp import carry_positions, pipeline_step
 from hp_runtime.train.balance import Balance
+from hp_runtime.train.config import OptimConfig
+from hp_runtime.train.config.schema import Muon
+from hp_runtime.train.optim import Optimizers, build_optimizer
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +33,7 @@ STEPS = 10
 BATCH = 4
 SEQ = 32
 MAX_NORM = 1.0  # small enough that clipping acts on some steps
+MUON = OptimConfig(name="muon", lr=3e-3, muon=Muon(lr=0.02, ns_dtype="float32"))
 
 
 def batches(vocab: int) -> list[torch.Tensor]:
@@ -82,7 +87,9 @@ def train(
     with as many as a layout has micro-batches in all computes the same auxiliary losses);
     checkpoint: ("save" or "load", directory, step): save the model and optimizer after
     `step` steps, or load them and run the steps from `step` on (the losses and norms of
-    those only); float8: a `Float8`'s fields (`train.float8`), the linears converted.
+    those only); float8: a `Float8`'s fields (`train.float8`), the linears converted;
+    per_shard (True: Muon's negative control, each rank orthogonalising its own shards).
+    `optimizer`: "sgd", "momentum", "adamw" (torch's) or "muon" (hp's, `MUON`).
     `documents`: None (positions 0..s-1), "reset" (packed documents' position
     ids) or "mask" (those and document masking)."""
     config = preset("tiny", **model_overrides)
@@ -115,7 +122,10 @@ def train(
         float8=Float8(**float8) if float8 is not None else None,
     )
     params = assembly.parameters
-    if optimizer == "sgd":
+    per_shard = pipeline.get("per_shard", False)  # Muon's negative control
+    if optimizer == "muon":  # hp's (AdamW beside it), its iteration in float32
+        opt = build_optimizer(assembly.modules, MUON, config.tie_embeddings, torch.device("cpu"))
+    elif optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=0.5)
     elif optimizer == "momentum":  # state for a checkpoint to carry
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -189,7 +199,11 @@ def train(
         if balance is not None:
             layers = [layer for layer, _ in balance.layers]
             figures.append(dict(zip(layers, balance.finish_step().numpy().copy(), strict=True)))
-        opt.step()
+        if per_shard:  # each rank orthogonalises its own shard: not Muon
+            with mock.patch("hp_runtime.train.muon._layout", lambda param: None):
+                opt.step()
+        else:
+            opt.step()
         assembly.weights_changed()
         opt.zero_grad()
         if balance is not None:
@@ -227,8 +241,9 @@ def train(
 _STATE = StateDictOptions(flatten_optimizer_state_dict=True)  # as the trainer's checkpoints
 
 
-def _state(modules: list[torch.nn.Module], opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _state(modules: list[torch.nn.Module], opt: Any) -> dict[str, Any]:
     (module,) = modules  # one model part: the optimizer is over its parameters
+    opt = opt.optimizers[0] if isinstance(opt, Optimizers) else opt
     return {
         "model": get_model_state_dict(module, options=_STATE),
         "optim": get_optimizer_state_dict(module, opt, options=_STATE),
@@ -240,10 +255,11 @@ def _save(modules: list[torch.nn.Module], opt: torch.optim.Optimizer, directory:
     dcp.save(_state(modules, opt), checkpoint_id=directory)
 
 
-def _load(modules: list[torch.nn.Module], opt: torch.optim.Optimizer, directory: str) -> None:
+def _load(modules: list[torch.nn.Module], opt: Any, directory: str) -> None:
     state = _state(modules, opt)
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(modules[0], state["model"], options=_STATE)
+    opt = opt.optimizers[0] if isinstance(opt, Optimizers) else opt
     set_optimizer_state_dict(modules[0], opt, state["optim"], options=_STATE)
 
 

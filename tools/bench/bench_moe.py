@@ -131,7 +131,7 @@ def _state_mib(parameters: list, optimizer) -> float:
     import torch
 
     tensors = list(parameters)
-    for opt in optimizer.optimizers:
+    for opt in optimizer.all:
         tensors += [v for state in opt.state.values() for v in state.values()]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.nbytes for t in local if isinstance(t, torch.Tensor)) / 2**20

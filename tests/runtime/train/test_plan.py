@@ -31,7 +31,7 @@ def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
         param.grad = torch.zeros_like(param)
     optimizer = build_optimizer(assembly.modules, config.optim, False, torch.device("cpu"))
     optimizer.step()
-    states = [v for o in optimizer.optimizers for s in o.state.values() for v in s.values()]
+    states = [v for o in optimizer.all for s in o.state.values() for v in s.values()]
     nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
     return {
         "param_bytes": nbytes(assembly.parameters),

@@ -176,8 +176,7 @@ class Loop:
         self.watchdog.beat(step, "data")
         self.profiler.before(step)
         lr = lr_at(step, self.config.optim, self.t.steps)
-        for group in state.optimizer.param_groups:
-            group["lr"] = lr
+        state.optimizer.set_lr(lr)
         count = plan.accumulation_at(step)
         micro = self.loader.take(count) if self.loader is not None else []
         self.watchdog.beat(step, "forward-backward")

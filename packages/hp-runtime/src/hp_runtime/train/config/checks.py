@@ -34,6 +34,11 @@ def check(config: Config) -> None:
     optim = config.optim
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr} must be between 0 and optim.lr={optim.lr}")
+    if optim.muon is not None and optim.name != "muon":
+        raise ConfigError(
+            f"optim.muon is set, but optim.name = {optim.name!r}: set optim.name = 'muon', or "
+            "leave optim.muon unset"
+        )
     model = config.model
     if model.num_params() > MAX_PARAMS:
         moe = model.moe

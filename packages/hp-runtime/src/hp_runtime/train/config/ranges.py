@@ -140,6 +140,10 @@ RANGES: dict[str, Range] = {
     "optim.beta2": BELOW_ONE,
     "optim.eps": POSITIVE,
     "optim.momentum": BELOW_ONE,
+    "optim.muon.lr": POSITIVE,
+    "optim.muon.momentum": BELOW_ONE,
+    "optim.muon.ns_steps": _ints(1, 99),  # torch.optim.Muon refuses 100 and more
+    "optim.muon.weight_decay": NON_NEGATIVE,
     "checkpoint.interval": _ints(0),
     "checkpoint.keep": _ints(0),
     "metrics.log_interval": _ints(1),

@@ -118,8 +118,31 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Muon:
+    """`optim.muon = {lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr}`: the
+    arguments of `torch.optim.Muon`, with its defaults (`adjust_lr` is its `adjust_lr_fn`:
+    "original" is Keller Jordan's sqrt(max(1, rows/cols)), "match_rms_adamw" Moonlight's
+    0.2 sqrt(max(rows, cols)), "spectral_unclamped" sqrt(rows/cols)). `lr` follows the
+    schedule as optim.lr does (scaled by the schedule's factor). Muon updates the hidden
+    matrices, AdamW with the `optim.*` keys the rest (`train/optim.py`).
+
+    `ns_dtype` is hp's own: the Newton-Schulz iteration's dtype, "bfloat16" as torch's, or
+    "float32" (the iteration's matmuls at float32's cost): bfloat16's rounding turns a
+    gradient one float32 step apart (another layout's order of sums) into losses 1e-4 apart
+    within 20 steps, torch's own Muon included; in float32 layouts agree within 1e-5."""
+
+    lr: float = 1e-3
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    weight_decay: float = 0.1
+    adjust_lr: Literal["original", "match_rms_adamw", "spectral_unclamped"] = "original"
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -133,6 +156,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     momentum: float = 0.0  # sgd
+    muon: Muon | None = None  # muon's own keys (none: its defaults); AdamW's are the above
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,305 @@
+"""Muon: `torch.optim.Muon`'s maths on parameters that FSDP, TP and EP have sharded.
+
+Momentum, weight decay and the update are elementwise, so each rank applies them to its own
+shard. The Newton-Schulz orthogonalisation needs each whole matrix: a sharded matrix's update is
+gathered (in the iteration's dtype, bfloat16 by default, which it starts by rounding to: the
+same bits, half float32's bytes) to one of the ranks holding its shards, orthogonalised there,
+and the result scattered back. The rank is chosen round-robin over those ranks, one matrix per
+rank at a time: a window of matrices is gathered, each rank orthogonalises the one it owns
+while the others do theirs, and the window is scattered back. A rank holds at most one whole
+matrix of a window (a few copies of it while it iterates). Replicated mesh dims (HSDP's replicas, TP's replicated experts)
+each do the same work on their own, as do pipeline stages. Matrices held whole (one process,
+experts split only by expert) are orthogonalised where they are.
+
+Gathers run over the mesh dims that shard the matrix, one dim at a time (innermost first), so
+only the mesh's own process groups are used. Where each rank's shard sits in the matrix comes
+from DTensor's own placement rule (`_StridedShard` included), as indices a tensor dim, computed
+once (private: DTensor has no public way to say where another rank's shard sits)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+from hp_runtime.train.config.schema import Muon as MuonSettings
+
+A, B, C = 3.4445, -4.7750, 2.0315  # torch.optim.Muon's (Keller Jordan's) quintic coefficients
+EPS = 1e-7  # torch.optim.Muon's
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+SHARDS = (Shard, _StridedShard)  # not a subclass of Shard (FSDP's shard of TP's shard)
+
+
+def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.optim.Muon's iteration, op for op (the same bits in bfloat16, its dtype): the
+    matrix scaled to a norm of at most 1, wide side last, then `steps` quintic steps."""
+    x = update.to(dtype=dtype, copy=True)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=EPS))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=B, alpha=C), x, beta=A)
+    return x.T if tall else x
+
+
+def orthogonalise(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix's iteration, or each matrix's of a stack (an expert weight's experts)."""
+    if update.ndim == 2:
+        return newton_schulz(update, steps, dtype)
+    out = torch.empty(update.shape, dtype=dtype, device=update.device)
+    for i, matrix in enumerate(update):
+        out[i] = newton_schulz(matrix, steps, dtype)
+    return out
+
+
+def adjusted_lr(lr: float, rule: str, rows: int, cols: int) -> float:
+    """torch.optim.Muon's rate for a rows x cols matrix under `adjust_lr_fn` = `rule`."""
+    if rule == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
+    return lr * math.sqrt(max(1, rows / cols))  # "original"
+
+
+@dataclass
+class _Layout:
+    """How a DTensor's matrix is spread over the ranks that shard it: the mesh dims that shard
+    it (`dims`, in mesh order) and, for every coordinate over them, the indices of its shard
+    along each tensor dim (`pieces`, in row-major order of the coordinates)."""
+
+    mesh: object
+    dims: list[int]
+    sizes: list[int]
+    here: list[int]  # this rank's coordinate on each of `dims`
+    pieces: list[list[torch.Tensor]]
+    longest: int  # the most elements a shard has (shards are padded to it to be sent)
+
+
+def _indices(shape: torch.Size, mesh, placements, coordinate: list[int]) -> list[torch.Tensor]:
+    """The indices along each tensor dim of the shard at `coordinate` (one entry a mesh dim),
+    as DTensor computes a shard's place (`_compute_local_shape_and_global_offset`: mesh dims
+    left to right, `_StridedShard` as the later split it stands for)."""
+    indices: list[torch.Tensor] = [torch.arange(n) for n in shape]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, SHARDS):
+            dim = placement.dim
+            size, index = _get_shard_size_and_offsets(
+                len(indices[dim]), mesh.size(mesh_dim), coordinate[mesh_dim], placement,
+                indices[dim], shape[dim], False,
+            )  # fmt: skip
+            indices[dim] = index if size else indices[dim][:0]
+    return indices
+
+
+def _layout(param: DTensor) -> _Layout | None:
+    """None when each rank holds whole matrices: no mesh dim splits a matrix dim (the last
+    two), so the shards are orthogonalised where they are."""
+    mesh, placements = param.device_mesh, param.placements
+    matrix_dims = (param.ndim - 2, param.ndim - 1)
+    if not any(isinstance(p, SHARDS) and p.dim in matrix_dims for p in placements):
+        return None
+    dims = [i for i, p in enumerate(placements) if isinstance(p, SHARDS)]
+    sizes = [mesh.size(i) for i in dims]
+    own = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    pieces = []
+    for flat in range(math.prod(sizes)):
+        coordinate = list(own)
+        for i, c in zip(dims, _unravel(flat, sizes), strict=True):
+            coordinate[i] = c
+        pieces.append(_indices(param.shape, mesh, placements, coordinate))
+    longest = max(math.prod(len(i) for i in piece) for piece in pieces)
+    return _Layout(mesh, dims, sizes, [own[i] for i in dims], pieces, longest)
+
+
+def _unravel(flat: int, sizes: list[int]) -> list[int]:
+    out = []
+    for size in reversed(sizes):
+        out.append(flat % size)
+        flat //= size
+    return out[::-1]
+
+
+def _grid(piece: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`piece`'s indices shaped to broadcast: `full[_grid(piece)]` is the shard."""
+    n = len(piece)
+    return tuple(ix.view([-1 if d == k else 1 for d in range(n)]) for k, ix in enumerate(piece))
+
+
+class _Exchange:
+    """One sharded matrix's trip: its update gathered to its owner, orthogonalised there, the
+    result scattered back. Collectives run dim by dim over the mesh's groups; at each dim only
+    the ranks that sit where the owner sits on the dims already done take part."""
+
+    def __init__(
+        self, layout: _Layout, owner: list[int], local: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        self.layout, self.owner, self.dtype = layout, owner, dtype
+        self.shape, self.device = local.shape, local.device
+        flat = torch.zeros(layout.longest, dtype=dtype, device=local.device)
+        flat[: local.numel()] = local.reshape(-1)
+        self.buffer: torch.Tensor | None = flat.unsqueeze(0)  # [pieces gathered so far, longest]
+
+    def _takes_part(self, level: int) -> bool:
+        """Whether this rank joins the collective over `dims[level]`: it sits where the owner
+        does on every dim after it (those are done first)."""
+        lay = self.layout
+        return all(lay.here[j] == self.owner[j] for j in range(level + 1, len(lay.dims)))
+
+    def gather(self) -> None:
+        lay = self.layout
+        for level in reversed(range(len(lay.dims))):
+            if not self._takes_part(level):
+                self.buffer = None
+                return
+            group = lay.mesh.get_group(lay.dims[level])
+            root = self.owner[level]
+            assert self.buffer is not None
+            parts = [torch.empty_like(self.buffer) for _ in range(lay.sizes[level])]
+            mine = lay.here[level] == root
+            dist.gather(
+                self.buffer,
+                parts if mine else None,
+                dst=dist.get_global_rank(group, root),
+                group=group,
+            )
+            if not mine:
+                self.buffer = None
+                return
+            self.buffer = torch.cat(parts)
+
+    def owns(self) -> bool:
+        return self.buffer is not None and self.layout.here == self.owner
+
+    def orthogonalise(self, full_shape: torch.Size, ns_steps: int) -> None:
+        """On the owner: the whole matrix from its pieces, orthogonalised, cut back up."""
+        assert self.buffer is not None
+        full = torch.empty(full_shape, dtype=self.dtype, device=self.device)
+        for row, piece in zip(self.buffer, self.layout.pieces, strict=True):
+            count = math.prod(len(ix) for ix in piece)
+            full[_grid(piece)] = row[:count].view([len(ix) for ix in piece])
+        done = orthogonalise(full, ns_steps, self.dtype)
+        out = torch.zeros_like(self.buffer)
+        for row, piece in zip(out, self.layout.pieces, strict=True):
+            shard = done[_grid(piece)].reshape(-1)
+            row[: shard.numel()] = shard
+        self.buffer = out
+
+    def scatter(self) -> torch.Tensor:
+        """This rank's shard of the orthogonalised update."""
+        lay = self.layout
+        for level in range(len(lay.dims)):
+            if not self._takes_part(level):
+                continue  # not on the way down yet (nor was it on the way up)
+            group = lay.mesh.get_group(lay.dims[level])
+            root = self.owner[level]
+            mine = lay.here[level] == root
+            rows = math.prod(lay.sizes[level + 1 :])
+            received = torch.empty(rows, lay.longest, dtype=self.dtype, device=self.device)
+            dist.scatter(
+                received,
+                list(self.buffer.chunk(lay.sizes[level])) if mine else None,
+                src=dist.get_global_rank(group, root),
+                group=group,
+            )
+            self.buffer = received
+        assert self.buffer is not None
+        return self.buffer[0, : math.prod(self.shape)].view(self.shape)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon over the hidden matrices of one model part, whatever their sharding:
+    the same updates, to the bit, as one process running torch.optim.Muon on whole matrices
+    (given the same gradients). Each group's `lr` is the schedule's rate times `lr_scale`
+    (optim.muon.lr / optim.lr), set by `Optimizers.set_lr`. A 3-D parameter is a stack of
+    matrices (experts), each orthogonalised and its rate adjusted alone."""
+
+    def __init__(self, params: Iterable[nn.Parameter], settings: MuonSettings) -> None:
+        defaults = {
+            "lr": settings.lr,
+            "weight_decay": settings.weight_decay,
+            "momentum": settings.momentum,
+            "nesterov": settings.nesterov,
+            "ns_steps": settings.ns_steps,
+            "adjust_lr": settings.adjust_lr,
+            "ns_dtype": settings.ns_dtype,
+        }
+        super().__init__(params, defaults)
+        self._layouts: dict[nn.Parameter, _Layout | None] = {}
+
+    def _layout(self, param: nn.Parameter) -> _Layout | None:
+        if param not in self._layouts:
+            self._layouts[param] = _layout(param) if isinstance(param, DTensor) else None
+        return self._layouts[param]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "Muon takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = [self._momentum(p, group) for p in params]
+            if group["lr"] == 0:  # DCP's state initialisation: no update to orthogonalise
+                continue
+            dtype = DTYPES[group["ns_dtype"]]
+            done = self._orthogonalised(params, updates, group["ns_steps"], dtype)
+            for param, update in zip(params, done, strict=True):
+                lr = adjusted_lr(group["lr"], group["adjust_lr"], *param.shape[-2:])
+                local = _local(param)
+                local.mul_(1 - group["lr"] * group["weight_decay"])
+                local.add_(update, alpha=-lr)
+
+    def _momentum(self, param: nn.Parameter, group: dict) -> torch.Tensor:
+        """This rank's shard of the update the iteration starts from (torch's lerps)."""
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param.grad)
+        grad, buf = _local(param.grad), _local(state["momentum_buffer"])
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _orthogonalised(
+        self,
+        params: list[nn.Parameter],
+        updates: list[torch.Tensor],
+        ns_steps: int,
+        dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        """Each update orthogonalised: whole ones here, sharded ones a window at a time (as
+        many as the ranks that shard them, each owned by one of them, in turn)."""
+        out: list[torch.Tensor | None] = [None] * len(params)
+        windows: dict[tuple, list[tuple[int, _Layout]]] = {}
+        for i, param in enumerate(params):
+            layout = self._layout(param)
+            if layout is None:
+                out[i] = orthogonalise(updates[i], ns_steps, dtype)
+            else:
+                key = (id(layout.mesh), tuple(layout.dims))
+                windows.setdefault(key, []).append((i, layout))
+        for members in windows.values():
+            ranks = math.prod(members[0][1].sizes)
+            for start in range(0, len(members), ranks):
+                window = members[start : start + ranks]
+                trips = []
+                for turn, (i, layout) in enumerate(window):
+                    trip = _Exchange(layout, _unravel(turn, layout.sizes), updates[i], dtype)
+                    trip.gather()
+                    trips.append(trip)
+                for (i, _), trip in zip(window, trips, strict=True):
+                    if trip.owns():
+                        trip.orthogonalise(params[i].shape, ns_steps)
+                for (i, _), trip in zip(window, trips, strict=True):
+                    out[i] = trip.scatter()
+        return out  # type: ignore[return-value]
