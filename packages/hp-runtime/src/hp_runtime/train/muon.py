@@ -1,15 +1,16 @@
 """Muon: `torch.optim.Muon`'s maths on parameters that FSDP, TP and EP have sharded.
 
 Momentum, weight decay and the update are elementwise, so each rank applies them to its own
-shard. The Newton-Schulz orthogonalisation needs each whole matrix: a sharded matrix's update is
-gathered (in the iteration's dtype, bfloat16 by default, which it starts by rounding to: the
-same bits, half float32's bytes) to one of the ranks holding its shards, orthogonalised there,
-and the result scattered back. The rank is chosen round-robin over those ranks, one matrix per
-rank at a time: a window of matrices is gathered, each rank orthogonalises the one it owns
-while the others do theirs, and the window is scattered back. A rank holds at most one whole
-matrix of a window (a few copies of it while it iterates). Replicated mesh dims (HSDP's replicas, TP's replicated experts)
-each do the same work on their own, as do pipeline stages. Matrices held whole (one process,
-experts split only by expert) are orthogonalised where they are.
+shard. The Newton-Schulz orthogonalisation needs each whole matrix: a sharded matrix's update
+is gathered (in the iteration's dtype, bfloat16 by default, which it starts by rounding to:
+the same bits, half float32's bytes) to one of the ranks holding its shards, orthogonalised
+there, and the result scattered back. The rank is chosen round-robin over those ranks, one
+matrix per rank at a time: a window of matrices is gathered, each rank orthogonalises the one
+it owns while the others do theirs, and the window is scattered back. A rank holds at most
+one whole matrix of a window (a few copies of it while it iterates). Replicated mesh dims
+(HSDP's replicas, TP's replicated experts) each do the same work on their own, as do pipeline
+stages. Matrices held whole (one process, experts split only by expert) are orthogonalised
+where they are.
 
 Gathers run over the mesh dims that shard the matrix, one dim at a time (innermost first), so
 only the mesh's own process groups are used. Where each rank's shard sits in the matrix comes
