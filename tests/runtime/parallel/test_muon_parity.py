@@ -7,6 +7,7 @@ sharded optimizer equals one process's to the bit, in bfloat16, for each kind of
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.distributed import run_ranks
 from tests.runtime.parallel import test_ep, test_parity
@@ -56,3 +57,69 @@ def test_orthogonalising_each_shard_is_caught():
     results = run_ranks(train, world, dims, "muon", overrides, {"per_shard": True})
     with pytest.raises(AssertionError):
         _compare(results, single(overrides))
+
+
+def _placements() -> dict[str, tuple[tuple[int, ...], list]]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {  # name: (mesh shape, placements)
+        "fsdp4": ((4,), [Shard(0)]),
+        "tp4-rowwise": ((4,), [Shard(1)]),
+        "fsdp2xtp2-colwise": ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        "fsdp2xtp2-rowwise": ((2, 2), [Shard(0), Shard(1)]),
+        "hsdp2x2": ((2, 2), [Replicate(), Shard(0)]),
+        "tp2-replicated": ((2, 2), [Shard(1), Replicate()]),
+    }
+
+
+# Whole matrices (uneven splits, tall and wide) and a stack of experts, more than the ranks
+# (two windows of owners).
+SHAPES = [(10, 7), (6, 12), (13, 5), (8, 8), (4, 6, 10), (3, 9)]
+
+
+def _step_bits(rank: int, world: int, name: str) -> list[bool]:
+    """Three steps of hp's Muon on shards against one process on whole tensors: equal bits."""
+    from hp_runtime.train.config.schema import Muon as Settings
+    from hp_runtime.train.muon import Muon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shape, placements = _placements()[name]
+    mesh = init_device_mesh("cpu", shape)
+    generator = torch.Generator().manual_seed(5)
+    full = [torch.randn(s, generator=generator) for s in SHAPES]
+    grads = [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(3)]
+    settings = Settings(lr=0.05, weight_decay=0.1, adjust_lr="match_rms_adamw")
+
+    def distribute(t: torch.Tensor) -> torch.Tensor:
+        if name != "fsdp2xtp2-colwise":
+            return distribute_tensor(t, mesh, placements)
+
+        # FSDP's shard of TP's shard, as fully_shard makes it over a column-wise linear
+        def chunk(x: torch.Tensor, i: int) -> torch.Tensor:  # torch.chunk's, empty past its end
+            pieces = x.chunk(2)
+            return pieces[i] if i < len(pieces) else x[:0]
+
+        local = chunk(chunk(t, mesh.get_local_rank(1)), mesh.get_local_rank(0))
+        return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
+
+    whole = [torch.nn.Parameter(t.clone()) for t in full]
+    sharded = [torch.nn.Parameter(distribute(t)) for t in full]
+    one, many = Muon(whole, settings), Muon(sharded, settings)
+    for step in grads:
+        for p, q, g in zip(whole, sharded, step, strict=True):
+            p.grad, q.grad = g.clone(), distribute(g)
+        one.step()
+        many.step()
+    return [
+        torch.equal(p.detach(), q.full_tensor().detach())
+        for p, q in zip(whole, sharded, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("name", list(_placements()))
+def test_a_sharded_step_equals_one_process_to_the_bit(name):
+    """bfloat16, torch's dtype: the gather, the owners and the scatter change no bit."""
+    for equal in run_ranks(_step_bits, 4, name):
+        assert equal == [True] * len(SHAPES)

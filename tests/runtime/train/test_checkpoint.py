@@ -98,7 +98,8 @@ def _logged_steps(run: Path) -> int:
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["parallel.dp_shard=2"]),
+    # Muon: its momentum and its sharded iteration (AdamW beside it: the other layouts' own)
+    "fsdp2-muon": (2, ["parallel.dp_shard=2", "optim.name=muon"]),
     "pp2-tied": (2, ["parallel.pp=2", "model.tie_embeddings=true",
                      "train.global_batch_size=4"]),
     # DeepSeek-V3's shape (latent attention, YaRN, grouped sigmoid routing, the balancing
@@ -155,7 +156,7 @@ def test_sigkill_then_resume_is_bit_identical(repo, tmp_path, reference, layout)
 
 @pytest.mark.slow
 def test_a_kill_during_an_async_save_leaves_it_out(repo, tmp_path, reference):
-    args = [*_args("fsdp2"), "checkpoint.async=true"]
+    args = [*_args("fsdp2-muon"), "checkpoint.async=true"]
     run = tmp_path / "run"
     partial = run / "checkpoints" / ".tmp-step-0000008"
     process = _start([*args, f"train.run_dir={run}"], 2, repo)
@@ -167,12 +168,12 @@ def test_a_kill_during_an_async_save_leaves_it_out(repo, tmp_path, reference):
     resumed = _resume(2, args, run)
     assert "resumed from" in resumed and "step-0000004" in resumed
     assert not partial.exists()
-    assert _losses(run) == _losses(reference("fsdp2"))  # async saves change nothing
+    assert _losses(run) == _losses(reference("fsdp2-muon"))  # async saves change nothing
 
 
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_zero_then_resumes(repo, tmp_path, reference):
-    args = [*_args("fsdp2"), "checkpoint.interval=0"]  # a stop request saves all the same
+    args = [*_args("fsdp2-muon"), "checkpoint.interval=0"]  # a stop request saves all the same
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
@@ -192,7 +193,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(repo, tmp_path, reference):
     assert stopped["status"] == "stopped by SIGTERM"
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{stopped['step']:07d}"]
     _resume(2, args, run)
-    assert _losses(run) == _losses(reference("fsdp2"))
+    assert _losses(run) == _losses(reference("fsdp2-muon"))
 
 
 @pytest.mark.slow
@@ -210,6 +211,7 @@ def test_time_limit_stops_before_it_with_a_checkpoint(tmp_path):
 
 # Resharding, in spawned ranks through the library: (world, layout) pairs.
 DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.max_seq_len=64"]
+MUON = ["optim.name=muon", "optim.muon.lr=0.02"]
 RESHARD = {
     "fsdp2xtp2-to-fsdp4": ((4, ["parallel.dp_shard=2", "parallel.tp=2"]),
                            (4, ["parallel.dp_shard=4"])),
@@ -220,6 +222,7 @@ RESHARD = {
     "one-to-hsdp2xcp2": ((1, []), (4, ["parallel.dp_replicate=2", "parallel.cp=2"])),
     "deepseek-ep2xpp2-to-one": ((4, [*DEEPSEEK, "parallel.dp_shard=2", "parallel.ep=2",
                                      "parallel.pp=2"]), (1, DEEPSEEK)),
+    "muon-fsdp2-to-one": ((2, [*MUON, "parallel.dp_shard=2"]), (1, MUON)),
 }  # fmt: skip
 BASE = [  # SGD with momentum: optimizer state to move, less chaotic than Adam's first steps
     "data.type=dummy", "data.seq_length=32", "train.micro_batch_size=1",
@@ -265,7 +268,7 @@ def test_resume_on_another_layout(tmp_path, case):
     first = train_ranks(world_a, [*BASE, f"train.run_dir={run}", "checkpoint.interval=3",
                                   *layout_a])[0]  # fmt: skip
     resume = f"checkpoint.resume={run / 'checkpoints' / 'step-0000003'}"
-    model = [o for o in layout_a if o.startswith("model.")]  # the same in both layouts
+    model = [o for o in layout_a if o.startswith(("model.", "optim."))]  # the same in both
     # what the checkpoint holds, read by one process, against what layout B loaded
     saved = run_ranks(_loaded_then_trained, 1, [*BASE, f"train.run_dir={tmp_path / 'one'}",
                                                 *model, resume])  # fmt: skip

@@ -184,6 +184,7 @@ def _numeric(kind) -> bool:
 def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
     from hp_runtime.model.config import MLAConfig, MoEConfig, MTPConfig
     from hp_runtime.train.config import BatchRamp, key_fields
+    from hp_runtime.train.config.schema import Muon
 
     numeric = {
         f"{s}.{k}" for s, names in KEYS.items() for k, kind in names.items() if _numeric(kind)
@@ -192,7 +193,11 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
         hints = typing.get_type_hints(table)  # these tables' fields are ranged as keys are
         numeric |= {f"model.{name}.{f.name}" for f in key_fields(table) if _numeric(hints[f.name])}
     numeric |= {f"train.batch_ramp.{f.name}" for f in key_fields(BatchRamp)}  # all integers
+    hints = typing.get_type_hints(Muon)
+    numeric |= {f"optim.muon.{f.name}" for f in key_fields(Muon) if _numeric(hints[f.name])}
     assert numeric == set(RANGES)
+    for key in (k for k in RANGES if k.startswith("optim.muon.")):
+        assert getattr(Muon(), key.split(".")[2]) in RANGES[key], key
     defaults = MoEConfig(experts=1, top_k=1, expert_ffn_hidden=1)
     for key in (k for k in RANGES if k.startswith("model.moe.")):
         assert getattr(defaults, key.split(".")[2]) in RANGES[key], key
@@ -756,6 +761,7 @@ WITH_TABLE = {
                          "increment = 2, samples = 100}"],
     "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],
     "train.float8": ["model.ffn_hidden=128", "train.float8.recipe=rowwise"],
+    "optim.muon": ["optim.name=muon", "optim.muon={lr = 0.02}"],
 }  # fmt: skip
 
 

@@ -208,3 +208,78 @@ def test_the_split_between_muon_and_adamw():
         "layers.feed_forward.router.gate.weight", "layers.enorm.weight", "layers.hnorm.weight",
         "layers.head_norm.weight",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"nesterov": False, "ns_steps": 3, "weight_decay": 0.0},
+     {"adjust_lr": "match_rms_adamw", "momentum": 0.9}, {"adjust_lr": "spectral_unclamped"}],
+)  # fmt: skip
+def test_the_step_is_torchs_to_the_bit(settings):
+    """hp's Muon on whole matrices (and a stack of experts, matrix by matrix) against
+    torch.optim.Muon, five steps on the same gradients: the same bits."""
+    from hp_runtime.train.config.schema import Muon as Settings
+    from hp_runtime.train.muon import Muon
+
+    generator = torch.Generator().manual_seed(11)
+    shapes = [(12, 5), (5, 12), (7, 7), (3, 6, 4)]
+    start = [torch.randn(s, generator=generator) for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(m.clone()) for t in start for m in (t if t.ndim == 3 else [t])]
+    hp = Muon(ours, Settings(lr=0.03, **settings))
+    torch_muon = torch.optim.Muon(
+        theirs,
+        lr=0.03,
+        **{{"adjust_lr": "adjust_lr_fn"}.get(k, k): v for k, v in settings.items()},
+    )
+    for _ in range(5):
+        grads = [torch.randn(s, generator=generator) for s in shapes]
+        for p, g in zip(ours, grads, strict=True):
+            p.grad = g.clone()
+        flat = [m for g in grads for m in (g if g.ndim == 3 else [g])]
+        for p, g in zip(theirs, flat, strict=True):
+            p.grad = g.clone()
+        hp.step()
+        torch_muon.step()
+        got = [m for p in ours for m in (p if p.ndim == 3 else [p])]
+        assert all(torch.equal(a, b) for a, b in zip(got, theirs, strict=True))
+
+
+def test_a_resume_that_changes_muon_is_refused_but_its_rate_may_change(tmp_path):
+    from tests.helpers.train import hp_train_here
+
+    run = tmp_path / "run"
+    base = [*FAST, "data.type=dummy", "data.seq_length=16", "train.micro_batch_size=2",
+            "optim.name=muon", f"train.run_dir={run}", "checkpoint.interval=2"]  # fmt: skip
+    assert hp_train_here(*base, "train.steps=2").returncode == 0
+    step2 = run / "checkpoints" / "step-0000002"
+    for change, message in [
+        (
+            "optim.muon.momentum=0.9",
+            f"optim.muon.momentum = 0.9, but {step2} was trained with 0.95",
+        ),
+        ("optim.muon={ns_dtype = 'float32'}", "optim.muon.ns_dtype = 'float32', but"),
+        ("optim.name=adamw", "optim.name = 'adamw', but"),
+    ]:
+        done = hp_train_here(*base, "train.steps=4", change)
+        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+        assert message in done.stderr and "set it back to resume" in done.stderr
+    done = hp_train_here(*base, "train.steps=4", "optim.muon.lr=0.05")
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("optim.muon.ns_steps=0", "optim.muon.ns_steps: must be from 1 to 99, got 0"),
+     ("optim.muon.lr=-1", "optim.muon.lr"),
+     ("optim.muon.ns_dtype='float16'", "optim.muon.ns_dtype: expected one of"),
+     ("optim.muon.nesterov=1", "optim.muon.nesterov"),
+     ("optim.muon.adjust_lr='rms'", "optim.muon.adjust_lr: expected one of")],
+)  # fmt: skip
+def test_a_bad_muon_value_is_one_line_from_hp_train(override, message):
+    from tests.helpers.train import hp_train_here
+
+    done = hp_train_here(*FAST, "data.type=dummy", "data.seq_length=16", "train.steps=1",
+                         "optim.name=muon", override)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"hp-train: {message}") or message in done.stderr, done.stderr

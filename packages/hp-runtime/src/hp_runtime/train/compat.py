@@ -21,6 +21,7 @@ from hp_runtime.model import ModelConfig, Transformer
 from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.checkpoint_format import META, CheckpointError
 from hp_runtime.train.config import BatchRamp, Config, as_table, toml_value
+from hp_runtime.train.config.schema import Muon
 
 # The data keys a checkpoint records and a resume compares (stored redacted: `redact_data`).
 DATA_KEYS = ("type", "path", "valid_path", "split", "seed", "seq_length")
@@ -114,13 +115,33 @@ def check_optimizer(path: str, meta: dict[str, Any], config: Config) -> None:
     """Refuse a resume whose optimizer differs from the checkpoint's: its saved hyperparameters
     would silently win over the config (or another optimizer's state would not load)."""
     change = first_change(meta, "optim", config.optim, OPTIMIZER_KEYS)
+    if change is None and config.optim.name == "muon":
+        change = _muon_change(meta, config.optim.muon or Muon())
     if change is not None:
         key, have, saved = change
         raise CheckpointError(
             f"optim.{key} = {have!r}, but {path} was trained with {saved!r}: set it back to "
-            f"resume (the schedule's keys, optim.lr, min_lr, warmup and decay, may change)",
+            f"resume (the schedule's keys, optim.lr, min_lr, warmup and decay, and "
+            f"optim.muon.lr, may change)",
             fallback=False,
         )
+
+
+def _muon_change(meta: dict[str, Any], muon: Muon) -> tuple[str, Any, Any] | None:
+    """The first field of optim.muon but its rate that differs from the checkpoint's (an unset
+    table is torch's defaults, on either side)."""
+    table = saved_section(meta, "optim").get("muon")
+    names = {item.name for item in fields(Muon)}
+    saved = (
+        Muon(**{k: v for k, v in table.items() if k in names})
+        if isinstance(table, dict)
+        else Muon()
+    )
+    for item in fields(Muon):
+        have, was = getattr(muon, item.name), getattr(saved, item.name)
+        if item.name != "lr" and have != was:
+            return f"muon.{item.name}", have, was
+    return None
 
 
 def check_tensors(path: str, metadata: Any, config: ModelConfig) -> None:
