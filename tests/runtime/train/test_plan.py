@@ -17,7 +17,10 @@ BASE = ["model.preset=tiny", "data.type=dummy", "data.seq_length=64", "train.ste
 
 def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """What a real run of this layout allocates on this rank, after one step of AdamW."""
+    from unittest import mock
+
     import torch
+    import torch.distributed as dist
     from hp_runtime.parallel import assemble
     from hp_runtime.train.optim import build_optimizer
     from torch.distributed.tensor import DTensor
@@ -30,13 +33,29 @@ def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     for param in assembly.parameters:  # the gradients a backward leaves: one a parameter
         param.grad = torch.zeros_like(param)
     optimizer = build_optimizer(assembly.modules, config.optim, False, torch.device("cpu"))
-    optimizer.step()
+    sent = 0  # bytes Muon's gathers and scatters send from this rank
+
+    def gather(tensor, gather_list=None, dst=None, group=None):  # noqa: ANN001, ANN202
+        nonlocal sent
+        sent += 0 if dist.get_rank() == dst else tensor.numel() * tensor.element_size()
+        return real_gather(tensor, gather_list, dst=dst, group=group)
+
+    def scatter(tensor, scatter_list=None, src=None, group=None):  # noqa: ANN001, ANN202
+        nonlocal sent
+        if dist.get_rank() == src:
+            sent += sum(t.numel() * t.element_size() for t in scatter_list) - tensor.nbytes
+        return real_scatter(tensor, scatter_list, src=src, group=group)
+
+    real_gather, real_scatter = dist.gather, dist.scatter
+    with mock.patch.object(dist, "gather", gather), mock.patch.object(dist, "scatter", scatter):
+        optimizer.step()
     states = [v for o in optimizer.all for s in o.state.values() for v in s.values()]
     nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
     return {
         "param_bytes": nbytes(assembly.parameters),
         "grad_bytes": nbytes(param.grad for param in assembly.parameters),
         "optim_bytes": nbytes(states),
+        "muon_sent_bytes": sent,
     }
 
 
@@ -50,6 +69,8 @@ def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
             "parallel.pp_microbatches=2",
             "train.global_batch_size=8",
         ],
+        # Muon: a momentum a hidden matrix, AdamW's state the rest, and what its step sends
+        ["parallel.dp_shard=2", "parallel.tp=2", "optim.name=muon"],
     ],
 )
 def test_state_bytes_equal_a_real_run(layout):
@@ -60,8 +81,9 @@ def test_state_bytes_equal_a_real_run(layout):
     planned = {r: t for t in report["rank_types"] for r in t["ranks"]}
     assert planned  # the kinds the planner built: the first and last rank of each stage
     for rank, kind in planned.items():
-        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+        for key in ("param_bytes", "grad_bytes", "optim_bytes", "muon_sent_bytes"):
             assert kind[key] == real[rank][key], (layout, rank, key)
+    assert ("optim.name=muon" in layout) == (real[0]["muon_sent_bytes"] > 0)
 
 
 def test_activations_within_ten_percent_of_a_real_forward():

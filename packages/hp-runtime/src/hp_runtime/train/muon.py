@@ -20,7 +20,7 @@ once (private: DTensor has no public way to say where another rank's shard sits)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -110,13 +110,14 @@ def _layout(param: DTensor) -> _Layout | None:
         return None
     dims = [i for i, p in enumerate(placements) if isinstance(p, SHARDS)]
     sizes = [mesh.size(i) for i in dims]
-    own = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    own = list(mesh.get_coordinate())  # from the mesh alone (no process group: the planner's)
     pieces = []
     for flat in range(math.prod(sizes)):
         coordinate = list(own)
         for i, c in zip(dims, _unravel(flat, sizes), strict=True):
             coordinate[i] = c
-        pieces.append(_indices(param.shape, mesh, placements, coordinate))
+        indices = _indices(param.shape, mesh, placements, coordinate)
+        pieces.append([ix.to(param.to_local().device) for ix in indices])
     longest = max(math.prod(len(i) for i in piece) for piece in pieces)
     return _Layout(mesh, dims, sizes, [own[i] for i in dims], pieces, longest)
 
@@ -216,6 +217,41 @@ class _Exchange:
         return self.buffer[0, : math.prod(self.shape)].view(self.shape)
 
 
+def _windows(layouts: list[_Layout | None]) -> Iterator[list[tuple[int, list[int]]]]:
+    """The sharded matrices (by index) a window at a time, each with its owner's coordinate:
+    matrices sharded over the same ranks, as many a window as those ranks, owned in turn."""
+    groups: dict[tuple, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        if layout is not None:
+            groups.setdefault((id(layout.mesh), tuple(layout.dims)), []).append(i)
+    for members in groups.values():
+        sizes = layouts[members[0]].sizes  # type: ignore[union-attr]
+        ranks = math.prod(sizes)
+        for start in range(0, len(members), ranks):
+            yield [
+                (i, _unravel(turn, sizes)) for turn, i in enumerate(members[start : start + ranks])
+            ]
+
+
+def sent_elements(params: Iterable[torch.Tensor]) -> int:
+    """The elements this rank sends in one step's gathers and scatters (padded shards), as
+    `Muon.step` sends them: what `hp-train plan` counts."""
+    params = list(params)
+    layouts = [_layout(p) if isinstance(p, DTensor) else None for p in params]
+    sent = 0
+    for window in _windows(layouts):
+        for i, owner in window:
+            lay = layouts[i]
+            assert lay is not None
+            for level in range(len(lay.dims)):
+                if lay.here[level + 1 :] != owner[level + 1 :]:
+                    continue  # takes no part at this level
+                rows = math.prod(lay.sizes[level + 1 :]) * lay.longest
+                root = lay.here[level] == owner[level]
+                sent += (lay.sizes[level] - 1) * rows if root else rows  # scatter / gather
+    return sent
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -281,26 +317,18 @@ class Muon(torch.optim.Optimizer):
         """Each update orthogonalised: whole ones here, sharded ones a window at a time (as
         many as the ranks that shard them, each owned by one of them, in turn)."""
         out: list[torch.Tensor | None] = [None] * len(params)
-        windows: dict[tuple, list[tuple[int, _Layout]]] = {}
         for i, param in enumerate(params):
-            layout = self._layout(param)
-            if layout is None:
+            if self._layout(param) is None:
                 out[i] = orthogonalise(updates[i], ns_steps, dtype)
-            else:
-                key = (id(layout.mesh), tuple(layout.dims))
-                windows.setdefault(key, []).append((i, layout))
-        for members in windows.values():
-            ranks = math.prod(members[0][1].sizes)
-            for start in range(0, len(members), ranks):
-                window = members[start : start + ranks]
-                trips = []
-                for turn, (i, layout) in enumerate(window):
-                    trip = _Exchange(layout, _unravel(turn, layout.sizes), updates[i], dtype)
-                    trip.gather()
-                    trips.append(trip)
-                for (i, _), trip in zip(window, trips, strict=True):
-                    if trip.owns():
-                        trip.orthogonalise(params[i].shape, ns_steps)
-                for (i, _), trip in zip(window, trips, strict=True):
-                    out[i] = trip.scatter()
+        for window in _windows([self._layout(p) for p in params]):
+            trips = []
+            for i, owner in window:
+                trip = _Exchange(self._layouts[params[i]], owner, updates[i], dtype)
+                trip.gather()
+                trips.append(trip)
+            for (i, _), trip in zip(window, trips, strict=True):
+                if trip.owns():
+                    trip.orthogonalise(params[i].shape, ns_steps)
+            for (i, _), trip in zip(window, trips, strict=True):
+                out[i] = trip.scatter()
         return out  # type: ignore[return-value]

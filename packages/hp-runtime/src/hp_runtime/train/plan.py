@@ -89,6 +89,11 @@ class RankType:
     # what one gather of all its FSDP-sharded parameters sends, in elements: each its shard
     # times the other ranks of its group ((dp_shard·cp) - 1; experts': (dp_shard·cp / ep) - 1)
     fsdp_sent_elements: int = 0
+    # Muon: what its gathers and scatters send in a step; the optimizer step's own memory (a
+    # whole matrix and the iteration's copies); its iterations' FLOPs on this rank
+    muon_sent_bytes: int = 0
+    muon_step_bytes: int = 0
+    muon_flops: int = 0
 
     def json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -109,13 +114,21 @@ class _State:
     block: int  # the largest block's local (TP-sharded, FSDP-unsharded) parameter count
     block_float8: int  # of block: the converted weights' elements
     sent: int  # elements one gather of every parameter sends (`RankType.fsdp_sent_elements`)
+    muon: tuple[int, int, int] = (0, 0, 0)  # `RankType.muon_*`: sent, step bytes, FLOPs
 
 
 def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
     params = [p for m in modules for p in m.parameters()]
     numel = sum(_local(p).numel() for p in params)
-    moments = {"adamw": 2, "sgd": 1 if optim.momentum else 0}[optim.name]
-    steps = len(params) * 4 if optim.name == "adamw" else 0  # a float32 step a tensor
+    hidden = _muon_params(modules) if optim.name == "muon" else []
+    rest = [p for p in params if all(p is not h for h in hidden)]
+    if optim.name == "muon":  # a momentum a hidden matrix, AdamW's two moments and step the rest
+        rest_numel = sum(_local(p).numel() for p in rest)
+        optim_bytes = (numel - rest_numel) * 4 + rest_numel * 8 + len(rest) * 4
+    else:
+        moments = {"adamw": 2, "sgd": 1 if optim.momentum else 0}[optim.name]
+        steps = len(params) * 4 if optim.name == "adamw" else 0  # a float32 step a tensor
+        optim_bytes = numel * 4 * moments + steps
     converted = _float8_weights(modules) if float8 else set()
     block = block_float8 = 0
     for m in modules:
@@ -126,9 +139,38 @@ def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
                 block_float8 = sum(_full_local(p) for p in layer.parameters() if p in converted)
     float8 = sum(_local(p).numel() for p in converted)
     sent = sum(_fsdp_sent(p) for p in params)
-    return _State(
-        numel * 4, numel * 4, numel * 4 * moments + steps, float8 * 4, block, block_float8, sent
-    )
+    muon = _muon_costs(hidden, optim) if hidden else (0, 0, 0)
+    return _State(numel * 4, numel * 4, optim_bytes, float8 * 4, block, block_float8, sent, muon)
+
+
+def _muon_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    from hp_runtime.parallel.parallelize import canonical_name
+    from hp_runtime.train.optim import takes_muon
+
+    return [p for m in modules for n, p in m.named_parameters() if takes_muon(canonical_name(n), p)]
+
+
+def _muon_costs(hidden: list[nn.Parameter], optim: Any) -> tuple[int, int, int]:
+    """Muon's step on this rank: the bytes its gathers and scatters send (`muon.sent_elements`,
+    the code the step runs), the step's own memory (the largest matrix whole in the iteration's
+    dtype: the gathered pieces, the matrix, its result and the pieces to scatter, and the
+    iteration's two Gram matrices), and its iterations' FLOPs (each sharded matrix on one of
+    its ranks: a share of them; 5 steps of 4 m^2 n + 2 m^3 for an m x n matrix, m <= n)."""
+    from hp_runtime.train.config.schema import Muon
+    from hp_runtime.train.muon import DTYPES, SHARDS, sent_elements
+
+    muon = optim.muon or Muon()
+    size = DTYPES[muon.ns_dtype].itemsize
+    largest = step_flops = 0
+    for p in hidden:
+        rows, cols = sorted(p.shape[-2:])
+        stack = math.prod(p.shape[:-2])
+        largest = max(largest, 4 * stack * rows * cols + 2 * rows * rows)
+        ranks = math.prod(
+            p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, SHARDS)
+        ) if isinstance(p, DTensor) else 1  # fmt: skip
+        step_flops += muon.ns_steps * stack * (4 * rows * rows * cols + 2 * rows**3) // ranks
+    return sent_elements(hidden) * size, largest * size, step_flops
 
 
 def _float8_weights(modules: list[nn.Module]) -> set[nn.Parameter]:
@@ -333,8 +375,11 @@ def rank_type(
         if float8 is not None and float8.fsdp_all_gather:  # the converted gathered in float8
             gathered -= state.block_float8 * 2 * (compute - 1)
     peak = state.params + state.grads + state.optim + in_flight * activation + gathered
+    sent, step, flops = state.muon
+    peak = max(peak, state.params + state.grads + state.optim + step)  # the optimizer's step
     return RankType([rank], stage, layers, state.params, state.grads, state.optim, activation,
-                    in_flight, gathered, peak, state.float8_params, state.sent)  # fmt: skip
+                    in_flight, gathered, peak, state.float8_params, state.sent, sent, step,
+                    flops)  # fmt: skip
 
 
 def representatives(config: Config, dims: ParallelDims, world: int) -> list[int]:
@@ -390,7 +435,8 @@ def plan(config: Config, world: int, gpu: str | None = None) -> dict[str, Any]:
     }
     if device is not None:
         report["gpu"] = {"name": device.name, "memory_bytes": int(device.memory_gib * GIB)}
-        report |= roofline(config, dims, world, comm, device)
+        flops = max(t.muon_flops for t in types)
+        report |= roofline(config, dims, world, comm, device, flops)
         for t in report["rank_types"]:
             t["fits"] = t["peak_bytes"] <= device.memory_gib * GIB
     return report
@@ -433,6 +479,9 @@ def communication(config: Config, dims: ParallelDims, types: list[RankType]) -> 
         routed = t.micro_batch_size * seq * m.moe.top_k * m.dim * compute
         moe_layers = sum(m.is_moe_layer(i) for i in range(m.total_layers)) // dims.pp
         out["ep"] = int(micro * moe_layers * 4 * routed * (dims.ep - 1) / dims.ep)
+    muon = max(tt.muon_sent_bytes for tt in types)
+    if muon:  # once a step, in the optimizer's step: gathers to the owners, scatters back
+        out["muon"] = muon
     return out
 
 
@@ -443,9 +492,15 @@ def _stride(dims: ParallelDims, name: str) -> int:
 
 
 def roofline(
-    config: Config, dims: ParallelDims, world: int, comm: dict[str, int], gpu: Gpu
+    config: Config,
+    dims: ParallelDims,
+    world: int,
+    comm: dict[str, int],
+    gpu: Gpu,
+    muon_flops: int = 0,
 ) -> dict[str, Any]:
-    """Step time and MFU: compute at the peak, each dimension at its link, what overlaps."""
+    """Step time and MFU: compute at the peak, each dimension at its link, what overlaps;
+    Muon's iterations (`muon_flops`, a rank's) are compute of the step, not model FLOPs."""
     m = config.model
     gbs = batch_plan(config).global_batch_size
     seq = config.data.seq_length
@@ -460,11 +515,15 @@ def roofline(
         size = {"fsdp": dims.dp_shard * dims.cp, "dp_replicate": dims.dp_replicate}.get(
             name, getattr(dims, name, 1)
         )
-        stride = _stride(dims, "dp_shard" if name == "fsdp" else name) if name != "ep" else 1
-        inside = size * stride <= gpu.per_node
+        if name == "muon":  # over the ranks that shard a matrix: dp_shard x cp x tp
+            inside = dims.dp_shard * dims.cp * dims.tp <= gpu.per_node
+        else:
+            stride = _stride(dims, "dp_shard" if name == "fsdp" else name) if name != "ep" else 1
+            inside = size * stride <= gpu.per_node
         seconds[name] = nbytes / ((gpu.intra_gbps if inside else gpu.inter_gbps) * 1e9)
     overlapped = sum(seconds.get(n, 0.0) for n in ("fsdp", "dp_replicate", "cp"))
-    exposed = sum(seconds.get(n, 0.0) for n in ("tp", "ep", "pp"))
+    exposed = sum(seconds.get(n, 0.0) for n in ("tp", "ep", "pp", "muon"))
+    compute_s += muon_flops / (gpu.bf16_tflops * 1e12)
     bubble = (dims.pp - 1) / (batch_plan(config).accumulation * config.parallel.pp_virtual_stages)
     step = max(compute_s, overlapped) + exposed + bubble * compute_s
     return {
