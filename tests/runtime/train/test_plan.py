@@ -35,12 +35,12 @@ def _allocated(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     optimizer = build_optimizer(assembly.modules, config.optim, False, torch.device("cpu"))
     sent = 0  # bytes Muon's gathers and scatters send from this rank
 
-    def gather(tensor, gather_list=None, dst=None, group=None):  # noqa: ANN001, ANN202
+    def gather(tensor, gather_list=None, dst=None, group=None):
         nonlocal sent
         sent += 0 if dist.get_rank() == dst else tensor.numel() * tensor.element_size()
         return real_gather(tensor, gather_list, dst=dst, group=group)
 
-    def scatter(tensor, scatter_list=None, src=None, group=None):  # noqa: ANN001, ANN202
+    def scatter(tensor, scatter_list=None, src=None, group=None):
         nonlocal sent
         if dist.get_rank() == src:
             sent += sum(t.numel() * t.element_size() for t in scatter_list) - tensor.nbytes
