@@ -14,8 +14,8 @@ where they are.
 
 Gathers run over the mesh dims that shard the matrix, one dim at a time (innermost first), so
 only the mesh's own process groups are used. Where each rank's shard sits in the matrix comes
-from DTensor's own placement rule (`_StridedShard` included), as indices a tensor dim, computed
-once (private: DTensor has no public way to say where another rank's shard sits)."""
+from DTensor's own splitting rule (`_StridedShard` included: private, as DTensor has no public
+way to say where another rank's shard sits), as indices a tensor dim, computed once."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from hp_runtime.train.config.schema import Muon as MuonSettings
@@ -85,19 +84,27 @@ class _Layout:
     longest: int  # the most elements a shard has (shards are padded to it to be sent)
 
 
+def _chunk(index: torch.Tensor, chunks: int, i: int) -> torch.Tensor:
+    """torch.chunk's piece `i` (empty past the last: an uneven split has fewer pieces)."""
+    pieces = torch.chunk(index, chunks)
+    return pieces[i] if i < len(pieces) else index[:0]
+
+
 def _indices(shape: torch.Size, mesh, placements, coordinate: list[int]) -> list[torch.Tensor]:
     """The indices along each tensor dim of the shard at `coordinate` (one entry a mesh dim),
-    as DTensor computes a shard's place (`_compute_local_shape_and_global_offset`: mesh dims
-    left to right, `_StridedShard` as the later split it stands for)."""
+    as DTensor splits a tensor (`distribute_tensor`, `Shard._split_tensor`): mesh dims left to
+    right, each splitting what the earlier left with torch.chunk; a `_StridedShard` (FSDP's
+    shard of TP's shard) first cuts into `split_factor` pieces and takes its chunk of each."""
     indices: list[torch.Tensor] = [torch.arange(n) for n in shape]
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, SHARDS):
-            dim = placement.dim
-            size, index = _get_shard_size_and_offsets(
-                len(indices[dim]), mesh.size(mesh_dim), coordinate[mesh_dim], placement,
-                indices[dim], shape[dim], False,
-            )  # fmt: skip
-            indices[dim] = index if size else indices[dim][:0]
+        if not isinstance(placement, SHARDS):
+            continue
+        dim, ranks, at = placement.dim, mesh.size(mesh_dim), coordinate[mesh_dim]
+        if isinstance(placement, _StridedShard):
+            pieces = torch.chunk(indices[dim], placement.split_factor)
+            indices[dim] = torch.cat([_chunk(piece, ranks, at) for piece in pieces])
+        else:
+            indices[dim] = _chunk(indices[dim], ranks, at)
     return indices
 
 
