@@ -26,8 +26,8 @@ def test_every_part_runs_on_the_cpu(tmp_path):
     out = tmp_path / "cpu.json"
     parts = [
         "fp32_fused_adamw", "bf16_autocast", "fsdp_world1_bf16", "activation_checkpointing",
-        "document_masking", "chunked_loss", "speed_1b", "speed_8b_shaped", "float8_curve",
-        "speed_8b_shaped_float8", "checkpoint_sync", "checkpoint_async",
+        "document_masking", "chunked_loss", "muon", "speed_1b", "speed_8b_shaped",
+        "float8_curve", "speed_8b_shaped_float8", "checkpoint_sync", "checkpoint_async",
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out),
@@ -40,7 +40,7 @@ def test_every_part_runs_on_the_cpu(tmp_path):
     assert list(report["parts"]) == parts
     for name, part in report["parts"].items():
         assert part["ok"], (name, part)
-    for name in parts[:6]:  # each path against its own CPU fp32 run, not against itself
+    for name in [*parts[:6], "muon"]:  # each path against its own CPU fp32 run, not itself
         part = report["parts"][name]
         assert part["losses"] and len(part["losses"]) == len(part["reference_losses"])
         assert part["max_rel_error"] <= part["tolerance"]

@@ -358,10 +358,15 @@ def parts(check: Check) -> dict[str, Callable[[], dict[str, Any]]]:
             [*doc, *_corpus(check), "model.attention=sdpa"],
         ),
         "chunked_loss": lambda: check.path("chunked", ["train.loss_chunk_tokens=16"], "bf16"),
+        # Muon's iteration and update on the device against the CPU's (issue 45)
+        "muon": lambda: check.path("muon", ["optim.name=muon", "optim.muon.lr=0.02"], "bf16"),
         "speed_1b": lambda: check.speed("speed-1b", big, False),
         "speed_1b_compile": lambda: check.speed("speed-1b-compile", big, True),
         "speed_8b_shaped": lambda: check.speed("speed-8b", eight, False),
         "speed_8b_shaped_compile": lambda: check.speed("speed-8b-compile", eight, True),
+        "speed_8b_shaped_muon": lambda: check.speed(
+            "speed-8b-muon", [*eight, "optim.name=muon"], False
+        ),
         "float8_curve": check.float8_curve,
         "speed_8b_shaped_float8": lambda: check.speed("speed-8b-f8", [*eight, *float8], False),
         "speed_8b_shaped_float8_compile": lambda: check.speed(
