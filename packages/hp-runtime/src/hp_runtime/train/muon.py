@@ -80,8 +80,35 @@ class _Layout:
     dims: list[int]
     sizes: list[int]
     here: list[int]  # this rank's coordinate on each of `dims`
-    pieces: list[list[torch.Tensor]]
+    pieces: list[list[Index]]
     longest: int  # the most elements a shard has (shards are padded to it to be sent)
+
+    def on(self, device: torch.device) -> list[list[Index]]:
+        """`pieces` with the index tensors on `device` (made once, on a rank that owns the
+        matrix; a contiguous run of indices is a slice and needs none)."""
+        if not hasattr(self, "_on"):
+            self._on = [
+                [i if isinstance(i, slice) else i.to(device) for i in p] for p in self.pieces
+            ]
+        return self._on
+
+
+Index = slice | torch.Tensor  # a shard's place along one tensor dim
+
+
+def _length(index: Index, n: int) -> int:
+    return len(range(n)[index]) if isinstance(index, slice) else len(index)
+
+
+def _compact(index: torch.Tensor) -> Index:
+    """A contiguous run of indices as a slice (FSDP's and TP's plain shards): nothing to
+    store or copy to the device; a strided shard's stay a tensor."""
+    if len(index) == 0:
+        return slice(0, 0)
+    first, last = int(index[0]), int(index[-1])
+    if last - first + 1 == len(index) and bool((index.diff() == 1).all()):
+        return slice(first, last + 1)
+    return index
 
 
 def _chunk(index: torch.Tensor, chunks: int, i: int) -> torch.Tensor:
@@ -123,10 +150,17 @@ def _layout(param: DTensor) -> _Layout | None:
         coordinate = list(own)
         for i, c in zip(dims, _unravel(flat, sizes), strict=True):
             coordinate[i] = c
-        indices = _indices(param.shape, mesh, placements, coordinate)
-        pieces.append([ix.to(param.to_local().device) for ix in indices])
-    longest = max(math.prod(len(i) for i in piece) for piece in pieces)
-    return _Layout(mesh, dims, sizes, [own[i] for i in dims], pieces, longest)
+        pieces.append([_compact(i) for i in _indices(param.shape, mesh, placements, coordinate)])
+    shapes = [[_length(i, n) for i, n in zip(piece, param.shape, strict=True)] for piece in pieces]
+    here = [own[i] for i in dims]
+    mine = shapes[sum(c * math.prod(sizes[k + 1 :]) for k, c in enumerate(here))]
+    if mine != list(param.to_local().shape):  # a split this rule does not know: refuse it
+        raise RuntimeError(
+            f"Muon: a {tuple(param.shape)} parameter's shard is {tuple(param.to_local().shape)} "
+            f"where its placements {param.placements} say {tuple(mine)}"
+        )
+    longest = max(math.prod(shape) for shape in shapes)
+    return _Layout(mesh, dims, sizes, here, pieces, longest)
 
 
 def _unravel(flat: int, sizes: list[int]) -> list[int]:
@@ -137,10 +171,17 @@ def _unravel(flat: int, sizes: list[int]) -> list[int]:
     return out[::-1]
 
 
-def _grid(piece: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """`piece`'s indices shaped to broadcast: `full[_grid(piece)]` is the shard."""
+def _grid(piece: list[Index]) -> tuple[Index, ...]:
+    """`piece` as an index: `full[_grid(piece)]` is the shard (slices as they are, one index
+    tensor as it is, several shaped to broadcast against each other)."""
+    tensors = [k for k, ix in enumerate(piece) if not isinstance(ix, slice)]
+    if len(tensors) <= 1:
+        return tuple(piece)
     n = len(piece)
-    return tuple(ix.view([-1 if d == k else 1 for d in range(n)]) for k, ix in enumerate(piece))
+    return tuple(
+        ix if isinstance(ix, slice) else ix.view([-1 if d == k else 1 for d in range(n)])
+        for k, ix in enumerate(piece)
+    )
 
 
 class _Exchange:
@@ -172,8 +213,8 @@ class _Exchange:
             group = lay.mesh.get_group(lay.dims[level])
             root = self.owner[level]
             assert self.buffer is not None
-            parts = [torch.empty_like(self.buffer) for _ in range(lay.sizes[level])]
             mine = lay.here[level] == root
+            parts = [torch.empty_like(self.buffer) for _ in range(lay.sizes[level])] if mine else []
             dist.gather(
                 self.buffer,
                 parts if mine else None,
@@ -192,12 +233,13 @@ class _Exchange:
         """On the owner: the whole matrix from its pieces, orthogonalised, cut back up."""
         assert self.buffer is not None
         full = torch.empty(full_shape, dtype=self.dtype, device=self.device)
-        for row, piece in zip(self.buffer, self.layout.pieces, strict=True):
-            count = math.prod(len(ix) for ix in piece)
-            full[_grid(piece)] = row[:count].view([len(ix) for ix in piece])
+        pieces = self.layout.on(self.device)
+        for row, piece in zip(self.buffer, pieces, strict=True):
+            shape = [_length(ix, n) for ix, n in zip(piece, full_shape, strict=True)]
+            full[_grid(piece)] = row[: math.prod(shape)].view(shape)
         done = orthogonalise(full, ns_steps, self.dtype)
         out = torch.zeros_like(self.buffer)
-        for row, piece in zip(out, self.layout.pieces, strict=True):
+        for row, piece in zip(out, pieces, strict=True):
             shard = done[_grid(piece)].reshape(-1)
             row[: shard.numel()] = shard
         self.buffer = out
@@ -230,7 +272,7 @@ def _windows(layouts: list[_Layout | None]) -> Iterator[list[tuple[int, list[int
     groups: dict[tuple, list[int]] = {}
     for i, layout in enumerate(layouts):
         if layout is not None:
-            groups.setdefault((id(layout.mesh), tuple(layout.dims)), []).append(i)
+            groups.setdefault((layout.mesh, tuple(layout.dims)), []).append(i)
     for members in groups.values():
         sizes = layouts[members[0]].sizes  # type: ignore[union-attr]
         ranks = math.prod(sizes)
@@ -293,16 +335,29 @@ class Muon(torch.optim.Optimizer):
         assert closure is None, "Muon takes no closure"
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            updates = [self._momentum(p, group) for p in params]
-            if group["lr"] == 0:  # DCP's state initialisation: no update to orthogonalise
+            if len(params) < len(group["params"]):  # a rank without it would leave a gather
+                raise RuntimeError("Muon: a parameter without a gradient (every rank needs one)")
+            if group["lr"] == 0:  # DCP's state initialisation: the momentum, no update
+                for param in params:
+                    self._momentum(param, group)
                 continue
             dtype = DTYPES[group["ns_dtype"]]
-            done = self._orthogonalised(params, updates, group["ns_steps"], dtype)
-            for param, update in zip(params, done, strict=True):
-                lr = adjusted_lr(group["lr"], group["adjust_lr"], *param.shape[-2:])
-                local = _local(param)
-                local.mul_(1 - group["lr"] * group["weight_decay"])
-                local.add_(update, alpha=-lr)
+            layouts = [self._layout(p) for p in params]
+            for param, layout in zip(params, layouts, strict=True):  # whole here: one by one
+                if layout is None:
+                    update = self._momentum(param, group)
+                    self._apply(param, orthogonalise(update, group["ns_steps"], dtype), group)
+            for window in _windows(layouts):  # sharded: a window's updates at a time
+                trips = []
+                for i, owner in window:
+                    update = self._momentum(params[i], group)
+                    trips.append(_Exchange(layouts[i], owner, update, dtype))  # type: ignore[arg-type]
+                    trips[-1].gather()
+                for (i, _), trip in zip(window, trips, strict=True):
+                    if trip.owns():
+                        trip.orthogonalise(params[i].shape, group["ns_steps"])
+                for (i, _), trip in zip(window, trips, strict=True):
+                    self._apply(params[i], trip.scatter(), group)
 
     def _momentum(self, param: nn.Parameter, group: dict) -> torch.Tensor:
         """This rank's shard of the update the iteration starts from (torch's lerps)."""
@@ -314,28 +369,10 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
-    def _orthogonalised(
-        self,
-        params: list[nn.Parameter],
-        updates: list[torch.Tensor],
-        ns_steps: int,
-        dtype: torch.dtype,
-    ) -> list[torch.Tensor]:
-        """Each update orthogonalised: whole ones here, sharded ones a window at a time (as
-        many as the ranks that shard them, each owned by one of them, in turn)."""
-        out: list[torch.Tensor | None] = [None] * len(params)
-        for i, param in enumerate(params):
-            if self._layout(param) is None:
-                out[i] = orthogonalise(updates[i], ns_steps, dtype)
-        for window in _windows([self._layout(p) for p in params]):
-            trips = []
-            for i, owner in window:
-                trip = _Exchange(self._layouts[params[i]], owner, updates[i], dtype)
-                trip.gather()
-                trips.append(trip)
-            for (i, _), trip in zip(window, trips, strict=True):
-                if trip.owns():
-                    trip.orthogonalise(params[i].shape, ns_steps)
-            for (i, _), trip in zip(window, trips, strict=True):
-                out[i] = trip.scatter()
-        return out  # type: ignore[return-value]
+    @staticmethod
+    def _apply(param: nn.Parameter, update: torch.Tensor, group: dict) -> None:
+        """Decoupled decay at the group's rate, then the update at the rate adjusted by the
+        matrix's shape (an expert's, for a stack of them)."""
+        local = _local(param)
+        local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr"], *param.shape[-2:]))

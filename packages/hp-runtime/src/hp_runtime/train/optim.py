@@ -54,10 +54,13 @@ def param_groups(
                 continue
             skip = _no_decay(name, param, tied) and not (optim.decay_embeddings and param.ndim >= 2)
             (plain if skip else decay).append(param)
-    return [
+    groups = [
         {"params": decay, "weight_decay": optim.weight_decay},
         {"params": plain, "weight_decay": 0.0},
     ]
+    # An empty group (Muon's AdamW on a tied model, or on a pipeline stage without the head
+    # or a router, has nothing to decay) saves no keys, and DCP cannot load it back.
+    return [group for group in groups if group["params"]]
 
 
 class Optimizers:

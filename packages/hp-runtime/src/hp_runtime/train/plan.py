@@ -120,7 +120,8 @@ class _State:
 def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
     params = [p for m in modules for p in m.parameters()]
     numel = sum(_local(p).numel() for p in params)
-    hidden = _muon_params(modules) if optim.name == "muon" else []
+    parts = _muon_params(modules) if optim.name == "muon" else []
+    hidden = [p for part in parts for p in part]
     rest = [p for p in params if all(p is not h for h in hidden)]
     if optim.name == "muon":  # a momentum a hidden matrix, AdamW's two moments and step the rest
         rest_numel = sum(_local(p).numel() for p in rest)
@@ -139,38 +140,48 @@ def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
                 block_float8 = sum(_full_local(p) for p in layer.parameters() if p in converted)
     float8 = sum(_local(p).numel() for p in converted)
     sent = sum(_fsdp_sent(p) for p in params)
-    muon = _muon_costs(hidden, optim) if hidden else (0, 0, 0)
+    muon = _muon_costs(parts, optim) if hidden else (0, 0, 0)
     return _State(numel * 4, numel * 4, optim_bytes, float8 * 4, block, block_float8, sent, muon)
 
 
-def _muon_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+def _muon_params(modules: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """The hidden matrices of each model part (each part has its own Muon)."""
     from hp_runtime.parallel.parallelize import canonical_name
     from hp_runtime.train.optim import takes_muon
 
-    return [p for m in modules for n, p in m.named_parameters() if takes_muon(canonical_name(n), p)]
+    return [
+        [p for n, p in m.named_parameters() if takes_muon(canonical_name(n), p)] for m in modules
+    ]
 
 
-def _muon_costs(hidden: list[nn.Parameter], optim: Any) -> tuple[int, int, int]:
+def _muon_costs(parts: list[list[nn.Parameter]], optim: Any) -> tuple[int, int, int]:
     """Muon's step on this rank: the bytes its gathers and scatters send (`muon.sent_elements`,
-    the code the step runs), the step's own memory (the largest matrix whole in the iteration's
-    dtype: the gathered pieces, the matrix, its result and the pieces to scatter, and the
-    iteration's two Gram matrices), and its iterations' FLOPs (each sharded matrix on one of
-    its ranks: a share of them; 5 steps of 4 m^2 n + 2 m^3 for an m x n matrix, m <= n)."""
+    the step's own window and owner rule, part by part); the step's own memory at its largest
+    matrix: a whole one (a sharded matrix's gathered pieces, the matrix, its result and the
+    pieces to scatter; a matrix held whole, its local experts: the matrix, its copy and its
+    result) in the iteration's dtype, the iteration's two Gram matrices, and the float32
+    updates of a window (about one whole matrix); and its iterations' FLOPs (a sharded matrix
+    on one of its ranks: a share of them; ns_steps of 4 m^2 n + 2 m^3 for an m x n matrix,
+    m <= n)."""
     from hp_runtime.train.config.schema import Muon
-    from hp_runtime.train.muon import DTYPES, SHARDS, sent_elements
+    from hp_runtime.train.muon import DTYPES, SHARDS, _layout, sent_elements
 
     muon = optim.muon or Muon()
     size = DTYPES[muon.ns_dtype].itemsize
     largest = step_flops = 0
-    for p in hidden:
+    for p in (p for part in parts for p in part):
         rows, cols = sorted(p.shape[-2:])
-        stack = math.prod(p.shape[:-2])
-        largest = max(largest, 4 * stack * rows * cols + 2 * rows * rows)
+        sharded = isinstance(p, DTensor) and _layout(p) is not None
+        stack = math.prod(p.shape[:-2]) if sharded else math.prod(_local(p).shape[:-2])
+        whole = stack * rows * cols
+        held = (4 if sharded else 3) * whole * size + 2 * rows * rows * size + 4 * whole
+        largest = max(largest, held)
         ranks = math.prod(
             p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, SHARDS)
-        ) if isinstance(p, DTensor) else 1  # fmt: skip
+        ) if sharded else 1  # fmt: skip
         step_flops += muon.ns_steps * stack * (4 * rows * rows * cols + 2 * rows**3) // ranks
-    return sent_elements(hidden) * size, largest * size, step_flops
+    sent = sum(sent_elements(part) for part in parts) * size
+    return sent, largest, step_flops
 
 
 def _float8_weights(modules: list[nn.Module]) -> set[nn.Parameter]:
