@@ -24,7 +24,6 @@ from hp_runtime.train.loader import Batch, Loader
 from hp_runtime.train.metrics import LaggedValues, StepClock
 from hp_runtime.train.plot import plot_run
 from hp_runtime.train.profile import StepProfiler
-from hp_runtime.train.schedule import lr_at
 from hp_runtime.train.setup import Run, setup
 from hp_runtime.train.step import Stepper
 from hp_runtime.train.watchdog import Watchdog
@@ -175,8 +174,7 @@ class Loop:
         self.clock.start()
         self.watchdog.beat(step, "data")
         self.profiler.before(step)
-        lr = lr_at(step, self.config.optim, self.t.steps)
-        state.optimizer.set_lr(lr)
+        lr = state.optimizer.set_lr(step, self.t.steps)
         count = plan.accumulation_at(step)
         micro = self.loader.take(count) if self.loader is not None else []
         self.watchdog.beat(step, "forward-backward")

@@ -308,8 +308,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon over the hidden matrices of one model part, whatever their sharding:
     the same updates, to the bit, as one process running torch.optim.Muon on whole matrices
-    (given the same gradients). Each group's `lr` is the schedule's rate times `lr_scale`
-    (optim.muon.lr / optim.lr), set by `Optimizers.set_lr`. A 3-D parameter is a stack of
+    (given the same gradients). Each group's `lr` is set every step by `Optimizers.set_lr`
+    (`optim.muon.lr`'s schedule). A 3-D parameter is a stack of
     matrices (experts), each orthogonalised and its rate adjusted alone."""
 
     def __init__(self, params: Iterable[nn.Parameter], settings: MuonSettings) -> None:

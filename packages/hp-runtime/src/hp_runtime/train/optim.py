@@ -14,6 +14,7 @@ updates differ from the unfused ones in float32 rounding only (2.4e-7 at most af
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import OptimConfig
 from hp_runtime.train.config.schema import Muon as MuonSettings
 from hp_runtime.train.muon import Muon
+from hp_runtime.train.schedule import lr_at
 
 NOT_HIDDEN = ("tok_embeddings.weight", "output.weight", "router.gate.weight")
 
@@ -69,24 +71,23 @@ class Optimizers:
     optimizers to it by parameter names, which is what lets a checkpoint move between
     layouts."""
 
-    def __init__(self, optimizers: list[list[torch.optim.Optimizer]], muon_scale: float) -> None:
+    def __init__(self, optimizers: list[list[torch.optim.Optimizer]], optim: OptimConfig) -> None:
         self.optimizers = optimizers  # in the order of the model parts (TrainState.modules)
-        self.muon_scale = muon_scale  # optim.muon.lr / optim.lr
+        self.schedule, self.muon_schedule = optim, muon_schedule(optim)
 
     @property
     def all(self) -> list[torch.optim.Optimizer]:
         return [opt for part in self.optimizers for opt in part]
 
-    @property
-    def param_groups(self) -> list[dict[str, object]]:
-        return [group for opt in self.all for group in opt.param_groups]
-
-    def set_lr(self, lr: float) -> None:
-        """The schedule's rate for this step: Muon's is optim.muon.lr scaled alike."""
+    def set_lr(self, step: int, total_steps: int) -> float:
+        """The schedule's rates for optimizer step `step` (Muon's its own: `muon_schedule`);
+        AdamW's (SGD's) is returned."""
+        lr = lr_at(step, self.schedule, total_steps)
+        muon_lr = lr_at(step, self.muon_schedule, total_steps)
         for opt in self.all:
-            scale = self.muon_scale if isinstance(opt, Muon) else 1.0
             for group in opt.param_groups:
-                group["lr"] = lr * scale
+                group["lr"] = muon_lr if isinstance(opt, Muon) else lr
+        return lr
 
     def step(self) -> None:
         for opt in self.all:
@@ -95,6 +96,13 @@ class Optimizers:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.all:
             opt.zero_grad(set_to_none=set_to_none)
+
+
+def muon_schedule(optim: OptimConfig) -> OptimConfig:
+    """The schedule Muon's rate follows: optim's own (warmup, decay), peaking at
+    optim.muon.lr, its floor optim.min_lr scaled by the same factor."""
+    peak = (optim.muon or MuonSettings()).lr
+    return replace(optim, lr=peak, min_lr=optim.min_lr * peak / optim.lr)
 
 
 def _mixed(module: nn.Module) -> bool:
@@ -134,5 +142,4 @@ def build_optimizer(
     modules: list[nn.Module], optim: OptimConfig, tied: bool, device: torch.device
 ) -> Optimizers:
     """The optimizers over `modules`' parameters; the rate is set every step by the loop."""
-    scale = (optim.muon or MuonSettings()).lr / optim.lr
-    return Optimizers([_optimizers(m, optim, tied, device) for m in modules], scale)
+    return Optimizers([_optimizers(m, optim, tied, device) for m in modules], optim)

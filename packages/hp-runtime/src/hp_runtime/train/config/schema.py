@@ -122,13 +122,13 @@ class Muon:
     """`optim.muon = {lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr}`: the
     arguments of `torch.optim.Muon`, with its defaults (`adjust_lr` is its `adjust_lr_fn`:
     "original" is Keller Jordan's sqrt(max(1, rows/cols)), "match_rms_adamw" Moonlight's
-    0.2 sqrt(max(rows, cols)), "spectral_unclamped" sqrt(rows/cols)). `lr` follows the
-    schedule as optim.lr does (scaled by the schedule's factor). Muon updates the hidden
+    0.2 sqrt(max(rows, cols)), "spectral_unclamped" sqrt(rows/cols)). `lr` is the peak of
+    optim's schedule for Muon (`train/optim.py:muon_schedule`). Muon updates the hidden
     matrices, AdamW with the `optim.*` keys the rest (`train/optim.py`).
 
     `ns_dtype` is hp's own: the Newton-Schulz iteration's dtype, "bfloat16" as torch's, or
     "float32" (the iteration's matmuls at float32's cost): bfloat16's rounding turns a
-    gradient one float32 step apart (another layout's order of sums) into losses 1e-4 apart
+    gradient one float32 step apart (another layout's order of sums) into losses 1e-3 apart
     within 20 steps, torch's own Muon included; in float32 layouts agree within 1e-5."""
 
     lr: float = 1e-3
