@@ -1,5 +1,5 @@
 """Muon on every layout equals one process: FSDP 2, TP 2, FSDP 2 x TP 2, PP 2 and a MoE model
-at EP 2, ten steps within 1e-5 (the iteration in float32: in bfloat16 another layout's order
+at EP 2 (and CP 2), ten steps within 1e-5 (the iteration in float32: in bfloat16 another layout's order
 of sums, one float32 step, grows past that, as it does for torch's own Muon). Orthogonalising
 each rank's shard instead of the whole matrix fails the same comparison. One step of the
 sharded optimizer equals one process's to the bit, in bfloat16, for each kind of placement."""
@@ -22,6 +22,7 @@ LAYOUTS = {  # name: (world size, ParallelDims, model overrides, pipeline option
     "fsdp2xtp2": (4, {"dp_shard": 2, "tp": 2}, {}, None),
     "pp2": (2, {"pp": 2}, {}, PP),
     "ep2": (2, {"dp_shard": 2, "ep": 2}, {"moe": SOFTMAX_BIAS}, None),
+    "cp2": (2, {"cp": 2}, {}, None),  # FSDP over dp_shard x cp: a flattened mesh dim
 }
 
 
