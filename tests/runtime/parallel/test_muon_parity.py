@@ -1,8 +1,9 @@
-"""Muon on every layout equals one process: FSDP 2, TP 2, FSDP 2 x TP 2, PP 2 and a MoE model
-at EP 2 (and CP 2), ten steps within 1e-5 (the iteration in float32: in bfloat16 another layout's order
-of sums, one float32 step, grows past that, as it does for torch's own Muon). Orthogonalising
-each rank's shard instead of the whole matrix fails the same comparison. One step of the
-sharded optimizer equals one process's to the bit, in bfloat16, for each kind of placement."""
+"""Muon on every layout equals one process: FSDP 2, TP 2, FSDP 2 x TP 2, PP 2, CP 2 and a MoE
+model at EP 2, ten steps within 1e-5 (the iteration in float32: in bfloat16 another layout's
+order of sums, one float32 step, grows past that, as it does for torch's own Muon).
+Orthogonalising each rank's shard instead of the whole matrix fails the same comparison. One
+step of the sharded optimizer equals one process's to the bit, in bfloat16, for each kind of
+placement."""
 
 from __future__ import annotations
 
