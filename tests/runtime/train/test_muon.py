@@ -291,3 +291,25 @@ def test_a_pipeline_stage_without_the_head_resumes(tmp_path):
     train_ranks(2, [*base, "train.steps=2"])
     resumed = train_ranks(2, [*base, "train.steps=3"])
     assert "resumed from" in resumed[0]["log"]
+
+
+def test_a_shards_place_reads_and_writes_its_elements():
+    """A shard's place (slices, and index tensors where a split is strided) picks exactly the
+    elements a loop over its indices picks, in any mix, on a stack of matrices too."""
+    import itertools
+
+    from hp_runtime.train.muon import _grid, _length
+
+    full = torch.arange(4 * 6 * 8.0).view(4, 6, 8)
+    choices = [torch.tensor([0, 2]), slice(1, 3)], [torch.tensor([5, 1, 3]), slice(2, 6)], [
+        torch.tensor([7, 0]), slice(0, 8)]  # fmt: skip
+    for piece in itertools.product(*choices):
+        lists = [list(range(n))[ix] if isinstance(ix, slice) else ix.tolist()
+                 for ix, n in zip(piece, full.shape, strict=True)]  # fmt: skip
+        shape = [_length(ix, n) for ix, n in zip(piece, full.shape, strict=True)]
+        want = torch.tensor([full[i, j, k].item() for i, j, k in itertools.product(*lists)])
+        assert torch.equal(full[_grid(list(piece))].reshape(-1), want), piece
+        written = torch.zeros_like(full)
+        written[_grid(list(piece))] = want.view(shape)
+        assert torch.equal(written[_grid(list(piece))].reshape(-1), want)
+        assert int((written != 0).sum()) == int((want != 0).sum())  # nothing else written

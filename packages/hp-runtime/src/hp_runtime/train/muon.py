@@ -174,14 +174,13 @@ def _unravel(flat: int, sizes: list[int]) -> list[int]:
 def _grid(piece: list[Index]) -> tuple[Index, ...]:
     """`piece` as an index: `full[_grid(piece)]` is the shard (slices as they are, one index
     tensor as it is, several shaped to broadcast against each other)."""
-    tensors = [k for k, ix in enumerate(piece) if not isinstance(ix, slice)]
+    tensors = [ix for ix in piece if not isinstance(ix, slice)]
     if len(tensors) <= 1:
         return tuple(piece)
-    n = len(piece)
-    return tuple(
-        ix if isinstance(ix, slice) else ix.view([-1 if d == k else 1 for d in range(n)])
-        for k, ix in enumerate(piece)
-    )
+    n, device = len(piece), tensors[0].device  # all as tensors: a slice between would move dims
+    whole = [torch.arange(ix.start, ix.stop, device=device) if isinstance(ix, slice) else ix
+             for ix in piece]  # fmt: skip
+    return tuple(ix.view([-1 if d == k else 1 for d in range(n)]) for k, ix in enumerate(whole))
 
 
 class _Exchange:

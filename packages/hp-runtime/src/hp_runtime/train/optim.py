@@ -46,8 +46,8 @@ def _no_decay(name: str, param: nn.Parameter, tied: bool) -> bool:
 def param_groups(
     modules: Iterable[nn.Module], optim: OptimConfig, tied: bool
 ) -> list[dict[str, object]]:
-    """Two groups, decayed and not, in a fixed order of parameters (under Muon, of those
-    AdamW updates)."""
+    """Two groups, decayed and not (an empty one left out), in a fixed order of parameters
+    (under Muon, of those AdamW updates)."""
     decay, plain = [], []
     for module in modules:
         for wrapped, param in module.named_parameters():
