@@ -323,6 +323,7 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self._layouts: dict[nn.Parameter, _Layout | None] = {}
+        self._windows: dict[int, list[list[tuple[int, list[int]]]]] = {}  # by group
 
     def _layout(self, param: nn.Parameter) -> _Layout | None:
         if param not in self._layouts:
@@ -332,7 +333,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if len(params) < len(group["params"]):  # a rank without it would leave a gather
                 raise RuntimeError("Muon: a parameter without a gradient (every rank needs one)")
@@ -346,7 +347,9 @@ class Muon(torch.optim.Optimizer):
                 if layout is None:
                     update = self._momentum(param, group)
                     self._apply(param, orthogonalise(update, group["ns_steps"], dtype), group)
-            for window in _windows(layouts):  # sharded: a window's updates at a time
+            if index not in self._windows:  # the same every step: made once
+                self._windows[index] = list(_windows(layouts))
+            for window in self._windows[index]:  # sharded: a window's updates at a time
                 trips = []
                 for i, owner in window:
                     update = self._momentum(params[i], group)
