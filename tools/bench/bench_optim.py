@@ -150,12 +150,17 @@ def main() -> None:
         f"small preset, {layout}, 2 ranks x 1 thread, seq {args.seq}, mbs {args.mbs}, "
         f"Newton-Schulz in {args.ns_dtype}; medians of {args.rounds} x {args.steps} steps"
     )
-    print("optimizer | step (s) | optimizer step (s) | newton-schulz | gather | scatter")
+    print("optimizer | step (s) | optimizer step (s) | newton-schulz | gather | scatter "
+          "(s, and the share of the optimizer step / of the step)")  # fmt: skip
     for name in OPTIMIZERS:
         f = figures[name]
         row = [f"{f['step']:.3f}", f"{f['optimizer step']:.3f}"]
         for key in ("newton-schulz", "gather", "scatter"):
-            row.append(f"{f[key]:.3f} ({f[key] / f['optimizer step']:.0%})" if key in f else "-")
+            if key not in f:
+                row.append("-")
+                continue
+            shares = f"{f[key] / f['optimizer step']:.0%} / {f[key] / f['step']:.1%}"
+            row.append(f"{f[key]:.3f} ({shares})")
         print(f"{name} | " + " | ".join(row))
     print(f"step ratio muon / adamw: {figures['ratio']:.2f}x")
     sys.stdout.flush()
