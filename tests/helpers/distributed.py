@@ -135,6 +135,7 @@ def _worker(tasks: Any, results: Any, stacks: str) -> None:
     torch.set_num_threads(1)
     fresh = _Fresh()
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    faulthandler.enable(file=dump, all_threads=True)  # a crash (SIGSEGV) leaves its stacks too
     parent = os.getppid()
     while (task := _next(tasks, parent)) is not None:
         fn, rank, world, store, args = task
@@ -157,6 +158,8 @@ def _worker(tasks: Any, results: Any, stacks: str) -> None:
             fresh.restore()
             faulthandler.unregister(signal.SIGUSR1)  # restored to the default just above:
             faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)  # install anew
+            faulthandler.disable()  # (enable alone is a no-op while it thinks it is on)
+            faulthandler.enable(file=dump, all_threads=True)  # and the crash handlers
         except BaseException:
             report = (rank, "error", traceback.format_exc())
         retire = _transport_loops() > _LEAKED_LOOPS
@@ -215,6 +218,7 @@ class _Pool:
                     if dead or time.monotonic() > deadline:
                         errors += dead or [f"timed out after {timeout} s"]
                         errors.append(f"finished ranks: {sorted(out)}")
+                        errors += self._crashed(world, set(out))
                         errors += self._stacks(world, set(out))
                         break
                     continue
@@ -245,6 +249,15 @@ class _Pool:
         for rank in waiting:
             with open(os.path.join(self.stacks, f"{rank}.txt")) as dump:
                 reports.append(f"rank {rank}'s stacks:\n{dump.read()[-6000:]}")
+        return reports
+
+    def _crashed(self, world: int, finished: set[int]) -> list[str]:
+        """What faulthandler wrote of the ranks that died (a crash's stacks)."""
+        reports = []
+        for rank, (process, _) in enumerate(self.ranks[:world]):
+            if rank not in finished and not process.is_alive():
+                with open(os.path.join(self.stacks, f"{rank}.txt")) as dump:
+                    reports.append(f"rank {rank} died; its stacks:\n{dump.read()[-6000:]}")
         return reports
 
     def close(self, kill: bool = False) -> None:
