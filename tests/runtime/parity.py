@@ -241,9 +241,14 @@ def train(
 _STATE = StateDictOptions(flatten_optimizer_state_dict=True)  # as the trainer's checkpoints
 
 
+def _part(opt: Any) -> Any:
+    """What DCP takes for the one model part: torch's optimizer, or hp's list (`Optimizers`)."""
+    return opt.optimizers[0] if isinstance(opt, Optimizers) else opt
+
+
 def _state(modules: list[torch.nn.Module], opt: Any) -> dict[str, Any]:
     (module,) = modules  # one model part: the optimizer is over its parameters
-    opt = opt.optimizers[0] if isinstance(opt, Optimizers) else opt
+    opt = _part(opt)
     return {
         "model": get_model_state_dict(module, options=_STATE),
         "optim": get_optimizer_state_dict(module, opt, options=_STATE),
@@ -259,8 +264,7 @@ def _load(modules: list[torch.nn.Module], opt: Any, directory: str) -> None:
     state = _state(modules, opt)
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(modules[0], state["model"], options=_STATE)
-    opt = opt.optimizers[0] if isinstance(opt, Optimizers) else opt
-    set_optimizer_state_dict(modules[0], opt, state["optim"], options=_STATE)
+    set_optimizer_state_dict(modules[0], _part(opt), state["optim"], options=_STATE)
 
 
 def plain(value: torch.Tensor) -> torch.Tensor:

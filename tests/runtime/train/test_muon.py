@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.distributed import run_ranks
-from tests.helpers.train import FAST
+from tests.helpers.train import FAST, train_ranks
 
 STEPS, MICRO, GLOBAL, SEQ, LR, WARMUP = 20, 2, 4, 16, 3e-3, 3
 CASES = {  # name: optim.muon, optim.weight_decay (AdamW's)
@@ -39,23 +38,6 @@ def _overrides(case: str, run_dir: Any) -> list[str]:
         f"optim.warmup_steps={WARMUP}", "optim.decay_style=constant",
         f"optim.weight_decay={decay}", f"train.run_dir={run_dir}",
     ]  # fmt: skip
-
-
-def _train(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
-    import io
-
-    from hp_runtime.train import load_config, train
-    from hp_runtime.train.launch import start
-    from hp_runtime.train.setup import setup
-
-    config = load_config(None, [*FAST, *overrides])
-    runtime = start("cpu", 1)
-    run = setup(config, runtime, io.StringIO())
-    result = train(config, runtime, io.StringIO(), run=run)
-    return {
-        "losses": [result.losses[s] for s in sorted(result.losses)],
-        "grad_norms": [result.grad_norms[s] for s in sorted(result.grad_norms)],
-    }
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -152,7 +134,7 @@ def test_one_process_equals_torch_muon_with_adamw(case, tmp_path, monkeypatch):
     """torch's Muon as it is (its iteration in bfloat16), and with `ns_dtype = "float32"`
     its iteration in float32: within 1e-5 over 20 steps. (The gradients and rates are the
     same bits as the loop's: bfloat16 would turn a float32 step of difference into 1e-3.)"""
-    got = run_ranks(_train, 1, _overrides(case, tmp_path / "run"))[0]
+    got = train_ranks(1, _overrides(case, tmp_path / "run"))[0]
     want = _reference(case, monkeypatch)
     assert np.ptp(want["losses"]) > 0.05  # the updates move the loss (random tokens: no lower)
     for key in ("losses", "grad_norms"):

@@ -116,7 +116,7 @@ def check_optimizer(path: str, meta: dict[str, Any], config: Config) -> None:
     would silently win over the config (or another optimizer's state would not load)."""
     change = first_change(meta, "optim", config.optim, OPTIMIZER_KEYS)
     if change is None and config.optim.name == "muon":
-        change = _muon_change(meta, config.optim.muon or Muon())
+        change = _muon_change(meta, config.optim.muon_settings)
     if change is not None:
         key, have, saved = change
         raise CheckpointError(

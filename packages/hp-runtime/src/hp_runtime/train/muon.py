@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -82,11 +82,12 @@ class _Layout:
     here: list[int]  # this rank's coordinate on each of `dims`
     pieces: list[list[Index]]
     longest: int  # the most elements a shard has (shards are padded to it to be sent)
+    _on: list[list[Index]] | None = field(default=None, repr=False)  # `on`'s, made once
 
     def on(self, device: torch.device) -> list[list[Index]]:
         """`pieces` with the index tensors on `device` (made once, on a rank that owns the
         matrix; a contiguous run of indices is a slice and needs none)."""
-        if not hasattr(self, "_on"):
+        if self._on is None:
             self._on = [
                 [i if isinstance(i, slice) else i.to(device) for i in p] for p in self.pieces
             ]
@@ -183,6 +184,12 @@ def _grid(piece: list[Index]) -> tuple[Index, ...]:
     return tuple(ix.view([-1 if d == k else 1 for d in range(n)]) for k, ix in enumerate(whole))
 
 
+def _joins(here: list[int], owner: list[int], level: int) -> bool:
+    """Whether a rank at `here` joins the collective over a matrix's sharding dim `level`: it
+    sits where the owner does on every dim after it (those are gathered first)."""
+    return here[level + 1 :] == owner[level + 1 :]
+
+
 class _Exchange:
     """One sharded matrix's trip: its update gathered to its owner, orthogonalised there, the
     result scattered back. Collectives run dim by dim over the mesh's groups; at each dim only
@@ -198,10 +205,7 @@ class _Exchange:
         self.buffer: torch.Tensor | None = flat.unsqueeze(0)  # [pieces gathered so far, longest]
 
     def _takes_part(self, level: int) -> bool:
-        """Whether this rank joins the collective over `dims[level]`: it sits where the owner
-        does on every dim after it (those are done first)."""
-        lay = self.layout
-        return all(lay.here[j] == self.owner[j] for j in range(level + 1, len(lay.dims)))
+        return _joins(self.layout.here, self.owner, level)
 
     def gather(self) -> None:
         lay = self.layout
@@ -281,19 +285,23 @@ def _windows(layouts: list[_Layout | None]) -> Iterator[list[tuple[int, list[int
             ]
 
 
-def sent_elements(params: Iterable[torch.Tensor]) -> int:
-    """The elements this rank sends in one step's gathers and scatters (padded shards), as
-    `Muon.step` sends them: what `hp-train plan` counts."""
-    params = list(params)
-    layouts = [_layout(p) if isinstance(p, DTensor) else None for p in params]
+def layouts_of(params: Iterable[torch.Tensor]) -> list[_Layout | None]:
+    """Each parameter's `_Layout` (None: held whole here), as `Muon.step` makes them."""
+    return [_layout(p) if isinstance(p, DTensor) else None for p in params]
+
+
+def sent_elements(layouts: list[_Layout | None]) -> int:
+    """The elements this rank sends in one step's gathers and scatters (padded shards) of one
+    Muon's parameters (their `layouts`), as `Muon.step` sends them: what `hp-train plan`
+    counts."""
     sent = 0
     for window in _windows(layouts):
         for i, owner in window:
             lay = layouts[i]
             assert lay is not None
             for level in range(len(lay.dims)):
-                if lay.here[level + 1 :] != owner[level + 1 :]:
-                    continue  # takes no part at this level
+                if not _joins(lay.here, owner, level):
+                    continue
                 rows = math.prod(lay.sizes[level + 1 :]) * lay.longest
                 root = lay.here[level] == owner[level]
                 sent += (lay.sizes[level] - 1) * rows if root else rows  # scatter / gather
@@ -312,16 +320,7 @@ class Muon(torch.optim.Optimizer):
     matrices (experts), each orthogonalised and its rate adjusted alone."""
 
     def __init__(self, params: Iterable[nn.Parameter], settings: MuonSettings) -> None:
-        defaults = {
-            "lr": settings.lr,
-            "weight_decay": settings.weight_decay,
-            "momentum": settings.momentum,
-            "nesterov": settings.nesterov,
-            "ns_steps": settings.ns_steps,
-            "adjust_lr": settings.adjust_lr,
-            "ns_dtype": settings.ns_dtype,
-        }
-        super().__init__(params, defaults)
+        super().__init__(params, asdict(settings))  # each group's keys: the settings' fields
         self._layouts: dict[nn.Parameter, _Layout | None] = {}
         self._windows: dict[int, list[list[tuple[int, list[int]]]]] = {}  # by group
 

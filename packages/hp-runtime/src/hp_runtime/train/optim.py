@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train.config import OptimConfig
-from hp_runtime.train.config.schema import Muon as MuonSettings
 from hp_runtime.train.muon import Muon
 from hp_runtime.train.schedule import lr_at
 
@@ -33,6 +32,11 @@ def takes_muon(name: str, param: nn.Parameter) -> bool:
     """Whether Muon updates `param` (by its canonical name) under optim.name = "muon": a
     matrix, or a stack of them, that is neither the embedding, the head nor the router."""
     return param.ndim >= 2 and not name.endswith(NOT_HIDDEN)
+
+
+def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` Muon updates (`takes_muon`), in their order."""
+    return [p for n, p in module.named_parameters() if takes_muon(canonical_name(n), p)]
 
 
 def _no_decay(name: str, param: nn.Parameter, tied: bool) -> bool:
@@ -101,7 +105,7 @@ class Optimizers:
 def muon_schedule(optim: OptimConfig) -> OptimConfig:
     """The schedule Muon's rate follows: optim's own (warmup, decay), peaking at
     optim.muon.lr, its floor optim.min_lr scaled by the same factor."""
-    peak = (optim.muon or MuonSettings()).lr
+    peak = optim.muon_settings.lr
     return replace(optim, lr=peak, min_lr=optim.min_lr * peak / optim.lr)
 
 
@@ -117,8 +121,8 @@ def _optimizers(
 ) -> list[torch.optim.Optimizer]:
     if optim.name != "muon":
         return [_optimizer(module, optim, tied, device)]
-    hidden = [p for n, p in module.named_parameters() if takes_muon(canonical_name(n), p)]
-    muon = [Muon(hidden, optim.muon or MuonSettings())] if hidden else []
+    hidden = hidden_matrices(module)
+    muon = [Muon(hidden, optim.muon_settings)] if hidden else []
     return [_optimizer(module, optim, tied, device), *muon]
 
 

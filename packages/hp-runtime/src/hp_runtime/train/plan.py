@@ -121,8 +121,8 @@ def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
     params = [p for m in modules for p in m.parameters()]
     numel = sum(_local(p).numel() for p in params)
     parts = _muon_params(modules) if optim.name == "muon" else []
-    hidden = [p for part in parts for p in part]
-    rest = [p for p in params if all(p is not h for h in hidden)]
+    hidden = {id(p) for part in parts for p in part}
+    rest = [p for p in params if id(p) not in hidden]
     if optim.name == "muon":  # a momentum a hidden matrix, AdamW's two moments and step the rest
         rest_numel = sum(_local(p).numel() for p in rest)
         optim_bytes = (numel - rest_numel) * 4 + rest_numel * 8 + len(rest) * 4
@@ -146,12 +146,9 @@ def _state_bytes(modules: list[nn.Module], optim: Any, float8: bool) -> _State:
 
 def _muon_params(modules: list[nn.Module]) -> list[list[nn.Parameter]]:
     """The hidden matrices of each model part (each part has its own Muon)."""
-    from hp_runtime.parallel.parallelize import canonical_name
-    from hp_runtime.train.optim import takes_muon
+    from hp_runtime.train.optim import hidden_matrices
 
-    return [
-        [p for n, p in m.named_parameters() if takes_muon(canonical_name(n), p)] for m in modules
-    ]
+    return [hidden_matrices(m) for m in modules]
 
 
 def _muon_costs(parts: list[list[nn.Parameter]], optim: Any) -> tuple[int, int, int]:
@@ -163,24 +160,22 @@ def _muon_costs(parts: list[list[nn.Parameter]], optim: Any) -> tuple[int, int, 
     updates of a window (about one whole matrix); and its iterations' FLOPs (a sharded matrix
     on one of its ranks: a share of them; ns_steps of 4 m^2 n + 2 m^3 for an m x n matrix,
     m <= n)."""
-    from hp_runtime.train.config.schema import Muon
-    from hp_runtime.train.muon import DTYPES, SHARDS, _layout, sent_elements
+    from hp_runtime.train.muon import DTYPES, layouts_of, sent_elements
 
-    muon = optim.muon or Muon()
+    muon = optim.muon_settings
     size = DTYPES[muon.ns_dtype].itemsize
-    largest = step_flops = 0
-    for p in (p for part in parts for p in part):
-        rows, cols = sorted(p.shape[-2:])
-        sharded = isinstance(p, DTensor) and _layout(p) is not None
-        stack = math.prod(p.shape[:-2]) if sharded else math.prod(_local(p).shape[:-2])
-        whole = stack * rows * cols
-        held = (4 if sharded else 3) * whole * size + 2 * rows * rows * size + 4 * whole
-        largest = max(largest, held)
-        ranks = math.prod(
-            p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, SHARDS)
-        ) if sharded else 1  # fmt: skip
-        step_flops += muon.ns_steps * stack * (4 * rows * rows * cols + 2 * rows**3) // ranks
-    sent = sum(sent_elements(part) for part in parts) * size
+    largest = step_flops = sent = 0
+    for part in parts:
+        layouts = layouts_of(part)
+        sent += sent_elements(layouts) * size
+        for p, layout in zip(part, layouts, strict=True):
+            rows, cols = sorted(p.shape[-2:])
+            stack = math.prod((p if layout else _local(p)).shape[:-2])  # whole: its own experts
+            whole = stack * rows * cols
+            held = (4 if layout else 3) * whole * size + 2 * rows * rows * size + 4 * whole
+            largest = max(largest, held)
+            ranks = math.prod(layout.sizes) if layout else 1  # its iteration on one of them
+            step_flops += muon.ns_steps * stack * (4 * rows * rows * cols + 2 * rows**3) // ranks
     return sent, largest, step_flops
 
 

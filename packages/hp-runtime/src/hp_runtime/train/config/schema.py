@@ -158,6 +158,11 @@ class OptimConfig:
     momentum: float = 0.0  # sgd
     muon: Muon | None = None  # muon's own keys (none: its defaults); AdamW's are the above
 
+    @property
+    def muon_settings(self) -> Muon:
+        """optim.muon, or torch's defaults where it is unset."""
+        return self.muon or Muon()
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
