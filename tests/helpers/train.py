@@ -165,3 +165,36 @@ def hp_train_here(*args: str) -> subprocess.CompletedProcess:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["hp-train", *args], code, out.getvalue(), err.getvalue())
+
+
+class Payload:
+    """What a crafted checkpoint would hold: unpickling it creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_in_optimizer(checkpoint: Path, marker: Path, work: Path) -> str:
+    """Rewrite `checkpoint` (hp-train's, on disk) with plain DCP so that one of the
+    optimizer's pickled hyperparameters (an `lr`) is a `Payload`; its `meta.json` loses the
+    checksums plain DCP cannot keep. The item's key."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(work / "whole.pt"))
+    state = torch.load(work / "whole.pt", weights_only=False)  # the test's own file
+    lr = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
+    state["optim"][lr] = Payload(marker)
+    for file in checkpoint.glob("*.distcp"):
+        file.unlink()
+    dcp.save(state, storage_writer=FileSystemWriter(str(checkpoint)), no_dist=True)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for key in ("xxh3", "dcp_metadata_xxh3"):  # nothing to check plain DCP's files against
+        meta.pop(key)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    return lr

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.train import FAST, hp_train_here, records, torchrun
+from tests.helpers.train import (
+    FAST,
+    Payload,
+    hp_train_here,
+    plant_in_optimizer,
+    records,
+    torchrun,
+)
 
 TINY = [
     *FAST,
@@ -227,16 +234,6 @@ def _legacy_rng(checkpoint: Path) -> None:
         file.unlink()
 
 
-class _Payload:
-    """What a crafted checkpoint would hold: unpickling it creates a file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_old_random_states_still_resume_exactly_and_crafted_ones_run_nothing(reference, tmp_path):
     target = tmp_path / "run"
     shutil.copytree(reference, target)
@@ -249,13 +246,13 @@ def test_old_random_states_still_resume_exactly_and_crafted_ones_run_nothing(ref
     marker = tmp_path / "pwned"
     newest = target / "checkpoints" / "step-0000006"
     _legacy_rng(newest)
-    torch.save({"torch": _Payload(marker)}, newest / "extra" / "rank-00000.pt")
+    torch.save({"torch": Payload(marker)}, newest / "extra" / "rank-00000.pt")
     done = ok(target, "train.steps=6", "checkpoint.interval=2")
     assert "refers to posix.system, which a checkpoint never holds" in done.stdout
     assert "step-0000004" in done.stdout and not marker.exists()
     metadata = target / "checkpoints" / "step-0000006" / ".metadata"
     with open(metadata, "wb") as stream:
-        pickle.dump(_Payload(marker), stream)
+        pickle.dump(Payload(marker), stream)
     meta = json.loads((metadata.parent / "meta.json").read_text())
     meta.pop("xxh3")
     meta.pop("dcp_metadata_xxh3")  # as a checkpoint from before checksums would be
@@ -366,7 +363,7 @@ def test_export_refuses_a_crafted_metadata_and_runs_nothing(reference, tmp_path)
     shutil.copytree(reference / "checkpoints" / "step-0000006", checkpoint)
     marker = tmp_path / "pwned"
     with open(checkpoint / ".metadata", "wb") as stream:
-        pickle.dump(_Payload(marker), stream)
+        pickle.dump(Payload(marker), stream)
     with pytest.raises(TrainError, match=r"\.metadata: fails its checksum"):
         export_checkpoint(str(checkpoint), str(tmp_path / "hf"))
     meta = json.loads((checkpoint / "meta.json").read_text())
@@ -412,25 +409,10 @@ def test_train_export_and_plot_leave_a_users_files_alone(reference, tmp_path):
 def test_a_crafted_optimizer_item_runs_nothing(reference, tmp_path):
     """DCP stores the optimizer's hyperparameters as pickled byte items, and its own loader
     unpickles them with weights_only=False: hp's does not."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     target = tmp_path / "run"
     shutil.copytree(reference, target)
-    newest = target / "checkpoints" / "step-0000006"
-    dcp_to_torch_save(str(newest), str(tmp_path / "whole.pt"))
-    state = torch.load(tmp_path / "whole.pt", weights_only=False)  # the test's own file
     marker = tmp_path / "pwned"
-    lr = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
-    state["optim"][lr] = _Payload(marker)
-    for file in newest.glob("*.distcp"):
-        file.unlink()
-    dcp.save(state, storage_writer=FileSystemWriter(str(newest)), no_dist=True)
-    meta = json.loads((newest / "meta.json").read_text())
-    meta.pop("xxh3")
-    meta.pop("dcp_metadata_xxh3")  # written by plain DCP: nothing to check it against
-    (newest / "meta.json").write_text(json.dumps(meta))
+    lr = plant_in_optimizer(target / "checkpoints" / "step-0000006", marker, tmp_path)
     done = ok(target, "train.steps=6", "checkpoint.interval=2")
     assert f"optim.{lr}: refers to posix.system" in done.stdout, done.stdout[-2000:]
     assert "step-0000004" in done.stdout and not marker.exists()
