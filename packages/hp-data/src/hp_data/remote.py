@@ -171,7 +171,26 @@ def _filesystem(protocol: str) -> Any:
         ) from None
     if protocol in ("s3", "s3a"):
         fs.retries = 1  # s3fs's own retry loop: hp's (`_retrying`) is the one policy
+    if getattr(fs, "async_impl", False):
+        _quiet_lost_connections()
     return fs
+
+
+def _quiet_lost_connections() -> None:
+    """fsspec's event loop, told not to print the traceback of a request's body writer that
+    lost its connection (a store gone mid-upload): nobody awaits that task once the request
+    failed, and asyncio prints it when it is collected. The request's own failure is what
+    hp reports, in one line."""
+    import fsspec.asyn
+
+    loop = fsspec.asyn.get_loop()
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        lost = isinstance(context.get("exception"), OSError)
+        if not (lost and context.get("message") == "Task exception was never retrieved"):
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 if hasattr(os, "register_at_fork"):  # a forked DataLoader worker: fsspec's async clients
@@ -449,6 +468,27 @@ def _retrying(call: Callable[[], T]) -> T:
                 raise
         time.sleep(BACKOFF * 2**attempt)
     raise AssertionError("unreachable")
+
+
+def store_path(url: str) -> tuple[Any, str]:
+    """fsspec's filesystem for `url` (hp's timeouts, none of the library's own retries) and
+    the path in it: for writers of objects (hp-train's checkpoints) that follow this policy."""
+    return _split(url)
+
+
+def retried(call: Callable[[], T]) -> T:
+    """`call()` (one request to a store) under the one retry policy of every remote read."""
+    return _retrying(call)
+
+
+def describe(exc: BaseException) -> str:
+    """A store's failure in words, for a one-line error of the caller's."""
+    return _describe(exc)
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether `exc` says the object is not there."""
+    return _missing(exc)
 
 
 def _cause(exc: BaseException) -> BaseException:
