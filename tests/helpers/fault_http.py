@@ -48,6 +48,14 @@ class Faults:
     auth: str | None = None
     # Called with (GET number or 0 for HEAD, method, path) before each answer: change files.
     hook: Callable[[int, str, str], None] | None = None
+    # Writes (PUT, POST, DELETE: relayed upstream with their bodies), counted from 1 apart
+    # from GETs: an error status, a stall, the server gone from the n-th on, and a hook
+    # called with (write number, method, path) before each (returning True: the request is
+    # dropped unanswered, as by a server that died with it).
+    write_status_on: dict[int, int] = field(default_factory=dict)
+    write_stall_on: set[int] = field(default_factory=set)
+    write_down_from: int | None = None
+    write_hook: Callable[[int, str, str], bool | None] | None = None
 
 
 class FaultServer(ThreadingHTTPServer):
@@ -57,6 +65,7 @@ class FaultServer(ThreadingHTTPServer):
     faults: Faults
     down: bool
     gets: int
+    writes: int
     requests: list[tuple[str, str, str]]  # (method, path, Range header)
     lock: threading.Lock
     stopping: threading.Event
@@ -86,6 +95,43 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._answer(body=True)
+
+    def do_PUT(self) -> None:
+        self._write()
+
+    do_POST = do_DELETE = do_PUT
+
+    def _request_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            data = b""
+            while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                data += self.rfile.read(size)
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+            return data
+        return self.rfile.read(int(self.headers.get("Content-Length", "0")))
+
+    def _write(self) -> None:
+        server, faults = self.server, self.server.faults
+        body = self._request_body()
+        with server.lock:
+            server.writes += 1
+            number = server.writes
+            server.requests.append((self.command, self.path, ""))
+        if faults.write_hook is not None and faults.write_hook(number, self.command, self.path):
+            self.close_connection = True
+            return
+        if faults.write_down_from is not None and number >= faults.write_down_from:
+            server.go_down()
+        if server.down:
+            self.close_connection = True
+            return
+        if number in faults.write_stall_on:
+            server.stopping.wait(faults.stall_seconds)
+        if number in faults.write_status_on:
+            return self._empty(faults.write_status_on[number])
+        self._relay(True, False, request_body=body)
 
     def _answer(self, body: bool) -> None:
         server, faults = self.server, self.server.faults
@@ -146,10 +192,16 @@ class _Handler(BaseHTTPRequestHandler):
         data = _flipped(data) if flip else data
         self._send(status, data, headers, body, truncate, number in faults.trickle_on)
 
-    def _relay(self, body: bool, truncate: bool, flip: bool = False) -> None:
+    def _relay(
+        self, body: bool, truncate: bool, flip: bool = False, request_body: bytes | None = None
+    ) -> None:
         connection = http.client.HTTPConnection(*self.server.upstream, timeout=30)
+        dropped = {"transfer-encoding", "content-length"} if request_body is not None else set()
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+        if request_body is not None:
+            headers["Content-Length"] = str(len(request_body))
         try:
-            connection.request(self.command, self.path, headers=dict(self.headers))
+            connection.request(self.command, self.path, body=request_body, headers=headers)
             answer = connection.getresponse()
             data = answer.read()
         finally:
@@ -215,7 +267,7 @@ def fault_server(
     if upstream is not None:
         host, port = upstream.removeprefix("http://").rstrip("/").split(":")
         server.upstream = (host, int(port))
-    server.gets, server.requests = 0, []
+    server.gets, server.writes, server.requests = 0, 0, []
     server.lock, server.stopping = threading.Lock(), threading.Event()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

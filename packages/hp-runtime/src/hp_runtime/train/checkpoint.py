@@ -42,8 +42,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from hp_data.fs import first_line, fsync_path, is_staging, staging_name
+from hp_data.redact import redact
+from hp_data.remote import local_path
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hp_runtime.train import checkpoint_remote as remote
 from hp_runtime.train import rng, storage
 from hp_runtime.train.checkpoint_format import (
     CHECKPOINTS,
@@ -80,11 +83,14 @@ def seal(tmp: str) -> None:
 
 @dataclass
 class Pending:
+    """A save between its start and its commit."""
+
     step: int
-    future: Future
+    future: Future | None  # a background save's (None: written already)
     staging: str
     started: float
     nbytes: int
+    blocked: float = 0.0  # seconds the step boundary waited for it
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class Saved:
     path: str
     seconds: float
     background: bool
+    blocked: float  # of `seconds`, those the step boundary waited (async: the staging)
+    warning: str | None = None  # older checkpoints that could not be deleted (kept)
 
 
 def _nbytes(payload: dict[str, dict[str, Any]]) -> int:
@@ -130,7 +138,12 @@ class Checkpointer:
     def __init__(
         self, run_dir: str, config: CheckpointConfig, runtime: Runtime, identity: str = ""
     ) -> None:
-        self.root = os.path.join(run_dir, CHECKPOINTS)
+        # Staging (and, with a URL dir, the mirrors read from) on a disk; the checkpoints in
+        # `root`: RUN_DIR/checkpoints, another directory, or a URL (`checkpoint_remote`).
+        self.root = local_path(config.dir) if config.dir else os.path.join(run_dir, CHECKPOINTS)
+        self.remote = remote.is_remote(self.root)
+        self.local = os.path.join(run_dir, CHECKPOINTS) if self.remote else self.root
+        self.listings: dict[str, remote.Commit] = {}  # a URL dir's committed, as last listed
         self.config, self.runtime = config, runtime
         self.pending: Pending | None = None
         self.last_save_seconds = 0.0
@@ -145,11 +158,14 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if config.async_save else None
 
     def clean(self) -> None:
-        """Remove what a killed run left uncommitted (rank 0), before anyone saves."""
-        if self.runtime.is_main and os.path.isdir(self.root):
-            for name in os.listdir(self.root):
-                if is_staging(name):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        """Remove what a killed run left uncommitted, and copies of remote checkpoints but
+        the node's newest (`checkpoint.local_copy`), before anyone saves (each node's first
+        rank: a run directory on a node's own disk is cleaned too)."""
+        if self.runtime.local_rank == 0 and os.path.isdir(self.local):  # each node's disk
+            for name in os.listdir(self.local):
+                mirror = name.startswith(remote.MIRROR) and not self.config.local_copy
+                if is_staging(name) or mirror:
+                    shutil.rmtree(os.path.join(self.local, name), ignore_errors=True)
         dist.barrier()
 
     def adopt(self, meta: dict[str, Any]) -> None:
@@ -162,7 +178,7 @@ class Checkpointer:
         (now, or by a later `poll`) is handed out by `take`. Every rank calls it."""
         self.finish()  # one save in flight at a time
         start = time.perf_counter()
-        tmp = os.path.join(self.root, staging_name(step_name(state.step)))
+        tmp = os.path.join(self.local, staging_name(step_name(state.step)))
         payload = tensors(state)
         nbytes = _nbytes(payload)
         failure: BaseException | None = None
@@ -191,23 +207,48 @@ class Checkpointer:
             raise
         if self.config.async_save and not block:
             future = dcp.async_save(
-                payload, storage_writer=storage.ChecksumWriter(tmp), process_group=self.group
+                payload, storage_writer=self._writer(tmp, state.step), process_group=self.group
             )
-            self.pending = Pending(state.step, future, tmp, start, nbytes)
             self.last_save_seconds = time.perf_counter() - start
+            self.pending = Pending(state.step, future, tmp, start, nbytes, self.last_save_seconds)
             return
         try:
-            dcp.save(payload, storage_writer=storage.ChecksumWriter(tmp))
+            dcp.save(payload, storage_writer=self._writer(tmp, state.step))
         except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
             self._remove(tmp)
             raise self._failed(exc, tmp, nbytes) from None
-        self.last_save_seconds = time.perf_counter() - start
         failure = None
         try:
-            self._commit(state.step, tmp, start, nbytes, background=False)
+            self._commit(Pending(state.step, None, tmp, start, nbytes), background=False)
         except SaveFailed as exc:  # rank 0's rename or seal
             failure = exc
         agree(failure, self.runtime)
+
+    def _writer(self, tmp: str, step: int) -> storage.ChecksumWriter:
+        """DCP's writer: into `tmp`, and with a URL dir uploaded from there and committed."""
+        if not self.remote:
+            return storage.ChecksumWriter(tmp)
+        url = remote.join(self.root, step_name(step))
+        copy = None
+        if self.config.local_copy:  # the node's copy of the newest: the one before it goes
+            copy = self.mirror_dir(url)
+            self._drop_mirrors(but=os.path.basename(copy))
+        return remote.Uploader(
+            tmp,
+            url,
+            [f"extra/rank-{self.runtime.rank:05d}.json"],
+            self.config.upload_concurrency,
+            seal,
+            (step, self.run_id),
+            copy,
+        )
+
+    def _drop_mirrors(self, but: str = "") -> None:
+        """This node's copies of remote checkpoints, but `but` (each node's first rank)."""
+        if self.runtime.local_rank == 0 and os.path.isdir(self.local):
+            for name in os.listdir(self.local):
+                if name.startswith(remote.MIRROR) and name != but:
+                    shutil.rmtree(os.path.join(self.local, name), ignore_errors=True)
 
     def take(self) -> list[Saved]:
         """The checkpoints committed since the last call, for the log."""
@@ -248,31 +289,34 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         try:
-            pending.future.result()
+            pending.future.result()  # type: ignore[union-attr]
         except (Exception, CheckpointException) as exc:
             self._remove(pending.staging)
             raise self._failed(exc, pending.staging, pending.nbytes) from None
-        self._commit(pending.step, pending.staging, pending.started, pending.nbytes, True)
+        self._commit(pending, background=True)
 
     def _failed(
         self, exc: BaseException, tmp: str, nbytes: int, everywhere: bool = True
     ) -> SaveFailed:
         step = tmp.rsplit("-", 1)[-1].lstrip("0") or "0"
         need = nbytes * self.runtime.world_size
-        free = shutil.disk_usage(self.root if os.path.isdir(self.root) else "/").free
+        free = shutil.disk_usage(self.local if os.path.isdir(self.local) else "/").free
         # torch's zip writer reports a failed write as "unexpected pos", without the errno
         hidden = "unexpected pos" in str(exc) or "unexpected pos" in first_line(exc, named=True)
         if _no_space(exc) or (hidden and free < need):
             reason = (
-                f"no space left on the device holding {self.root} (the checkpoint needs "
+                f"no space left on the device holding {self.local} (the checkpoint needs "
                 f"~{need / 1e9:.2g} GB, {free / 1e9:.2g} GB are free)"
             )
         else:
-            reason = first_line(exc, named=True)
+            reason = redact(first_line(exc, named=True))
+        left = "the partial checkpoint was removed"
+        if self.remote:
+            url = redact(remote.join(self.root, step_name(int(step))))
+            left = f"what reached {url} has no {remote.COMMIT} and is never loaded"
         return SaveFailed(
-            f"checkpoint of step {step} not written: {reason}; the partial checkpoint was "
-            f"removed and the previous ones are kept: free space or fix it, then run the same "
-            f"command to resume",
+            f"checkpoint of step {step} not written: {reason}; {left}, and the previous "
+            f"checkpoints are kept: free space or fix it, then run the same command to resume",
             everywhere,
         )
 
@@ -281,9 +325,14 @@ class Checkpointer:
         if self.runtime.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _commit(self, step: int, tmp: str, started: float, nbytes: int, background: bool) -> None:
-        final = os.path.join(self.root, step_name(step))
-        if self.runtime.is_main:
+    def _commit(self, save: Pending, background: bool) -> None:
+        step, tmp = save.step, save.staging
+        final = self._join(step_name(step))
+        warning = None
+        if self.runtime.is_main and self.remote:  # committed by the upload's finish
+            shutil.rmtree(tmp, ignore_errors=True)  # emptied by the upload
+            warning = self._prune()
+        elif self.runtime.is_main:
             try:
                 seal(tmp)
                 if os.path.exists(final):  # the same step again, after falling back from it
@@ -292,9 +341,40 @@ class Checkpointer:
                 fsync_path(self.root)
             except OSError as exc:
                 self._remove(tmp)
-                raise self._failed(exc, tmp, nbytes, everywhere=False) from None
-            self._prune()
-        self.done.append(Saved(step, final, time.perf_counter() - started, background))
+                raise self._failed(exc, tmp, save.nbytes, everywhere=False) from None
+            warning = self._prune()
+        seconds = time.perf_counter() - save.started
+        blocked = save.blocked if background else seconds
+        self.last_save_seconds = blocked
+        self.done.append(Saved(step, final, seconds, background, blocked, warning))
+
+    def mirror_dir(self, url: str) -> str:
+        """Where the remote checkpoint `url` is read from on this node's disk."""
+        return os.path.join(self.local, remote.MIRROR + url.rstrip("/").rsplit("/", 1)[-1])
+
+    def open(self, path: str) -> tuple[str, remote.Commit | None]:
+        """`path` as the readers take it: a directory on this node's disk, and for a remote
+        checkpoint its mirror there (its small files fetched) with the listing its shards
+        are fetched by."""
+        if not remote.is_remote(path):
+            return path, None
+        directory, first = self.mirror_dir(path), None
+        if self.runtime.local_rank == 0:  # each node's first rank fetches; the others find it
+            try:
+                remote.mirror(path, directory)
+            except CheckpointError as exc:
+                first = exc
+        dist.barrier()
+        if first is not None:
+            raise first
+        return directory, remote.mirror(path, directory)  # checked: nothing left to fetch
+
+    def close(self, path: str) -> None:
+        """After every rank loaded `path`: its mirror goes, unless it is the node's copy of
+        this run's newest (`checkpoint.local_copy`)."""
+        ours = self.config.local_copy and self._inside(path)
+        if remote.is_remote(path) and self.runtime.local_rank == 0 and not ours:
+            shutil.rmtree(self.mirror_dir(path), ignore_errors=True)
 
     @staticmethod
     def _aside(final: str) -> str:
@@ -305,67 +385,144 @@ class Checkpointer:
             number += 1
         return f"{final}.replaced-{number}"
 
+    # -- the checkpoints of `root` -------------------------------------------------------------
+
+    def _join(self, name: str) -> str:
+        return remote.join(self.root, name) if self.remote else os.path.join(self.root, name)
+
+    def _shared(self, say: Callable[[str], None]) -> list[str]:
+        """`_committed`, of a URL dir asked by rank 0 alone and handed to every rank (a
+        thousand ranks do not each list the bucket). Where rank 0 fails, the others get
+        nothing and meet its error in the agreement that follows."""
+        if not self.remote or self.runtime.world_size == 1:
+            return self._committed(say)
+        box: list[Any] = [None]
+        failure = None
+        if self.runtime.is_main:
+            try:
+                self._committed(say)
+                box[0] = self.listings
+            except CheckpointError as exc:
+                failure = exc
+        dist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        self.listings = box[0] or {}
+        return list(self.listings)
+
+    def _committed(self, say: Callable[[str], None] = lambda _: None) -> list[str]:
+        """The committed checkpoints of `root`, oldest first. A URL dir's are those with a
+        commit object (each listing kept); a prefix without one is named and skipped."""
+        if not self.remote:
+            return committed(self.root)
+        self.listings = {}
+        for url in remote.steps(self.root):
+            try:
+                listing = remote.read_commit(url)
+            except CheckpointError as exc:
+                if not exc.fallback:
+                    raise
+                say(f"hp-train: warning: {exc}: skipped")
+                continue
+            if listing is None:
+                say(
+                    f"hp-train: {redact(url)} has no {remote.COMMIT} (a save that did not "
+                    f"finish): skipped, never loaded"
+                )
+            else:
+                self.listings[url] = listing
+        return list(self.listings)
+
+    def _owner(self, path: str) -> str | None:
+        """The run that wrote `path` (None: one written before run ids)."""
+        if self.remote:
+            return self.listings[path].run_id
+        return read_meta(path).get("run_id")
+
     def _owned(self, path: str) -> bool:
         try:
-            owner = read_meta(path).get("run_id")
+            owner = self._owner(path)
         except CheckpointError:
             return False  # unreadable: not provably this run's, so never deleted
         # One written before run ids is this run's: `candidates` lets a directory hold one run.
         return owner == self.run_id or owner is None
 
-    def _prune(self) -> None:
+    def _prune(self) -> str | None:
+        """Delete this run's checkpoints older than the newest `keep`. A store that fails to
+        list or delete leaves them (said, and tried again at the next save): the new
+        checkpoint is committed either way."""
         if not self.config.keep:
-            return
-        ours = [path for path in committed(self.root) if self._owned(path)]
-        for old in ours[: -self.config.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            return None
+        try:
+            ours = [path for path in self._committed() if self._owned(path)]
+            for old in ours[: -self.config.keep]:
+                if self.remote:
+                    remote.remove(self.listings[old])  # what it lists, and nothing else
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
+        except (OSError, CheckpointError) as exc:
+            return f"older checkpoints not deleted ({redact(str(exc))}): kept until a later save"
+        return None
+
+    def _inside(self, path: str) -> bool:
+        """Whether `path` names a checkpoint of `root` (a sibling of its own)."""
+        if self.remote or remote.is_remote(path):
+            return path.rstrip("/").rsplit("/", 1)[0] == self.root.rstrip("/")
+        return os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root)
+
+    def _exists(self, path: str) -> bool:
+        if remote.is_remote(path):
+            return remote.read_commit(path) is not None
+        return os.path.isdir(path)
 
     def candidates(self, say: Callable[[str], None]) -> list[str]:
         """What `checkpoint.resume` asks to load, newest first ([] for a fresh start)."""
         resume = self.config.resume
-        own = committed(self.root)
+        own = self._shared(say)
+        where = redact(self.root)
         if resume == "none":
             if own:
                 raise CheckpointError(
-                    f"checkpoint.resume = 'none', but {self.root} already holds checkpoints "
-                    f"(newest {os.path.basename(own[-1])}): a fresh run there would mix with "
+                    f"checkpoint.resume = 'none', but {where} already holds checkpoints "
+                    f"(newest {_base(own[-1])}): a fresh run there would mix with "
                     f"them; continue it with checkpoint.resume = 'auto', or choose a new "
                     f"train.run_dir (nothing was changed)",
                     fallback=False,
                 )
             return []
         if resume != "auto" and not own:  # an explicit path seeds an empty run directory
-            if not os.path.isdir(resume):
+            if not self._exists(resume):
                 raise CheckpointError(
-                    f"checkpoint.resume = {resume!r}: no such checkpoint directory",
+                    f"checkpoint.resume = {redact(resume)!r}: no such checkpoint "
+                    f"{'(no ' + remote.COMMIT + ')' if remote.is_remote(resume) else 'directory'}",
                     fallback=False,
                 )
             return [resume]
         if resume != "auto":
-            inside = os.path.dirname(os.path.abspath(resume)) == os.path.abspath(self.root)
-            if inside and os.path.abspath(resume) != os.path.abspath(own[-1]):
+            inside = self._inside(resume)
+            if inside and _base(resume) != _base(own[-1]):
                 raise CheckpointError(
-                    f"checkpoint.resume = {resume!r} is an older checkpoint of this run "
-                    f"directory, which goes on to {os.path.basename(own[-1])}: going back in "
+                    f"checkpoint.resume = {redact(resume)!r} is an older checkpoint of this "
+                    f"run directory, which goes on to {_base(own[-1])}: going back in "
                     f"place would overwrite the newer ones; seed a new train.run_dir with it, "
                     f"or use checkpoint.resume = 'auto'",
                     fallback=False,
                 )
             if not inside:
                 say(
-                    f"hp-train: checkpoint.resume = {resume!r} seeds a run directory only "
-                    f"while it has no checkpoints; {self.root} has its own: continuing from them"
+                    f"hp-train: checkpoint.resume = {redact(resume)!r} seeds a run directory "
+                    f"only while it has no checkpoints; {where} has its own: continuing from them"
                 )
         owners: dict[str, str] = {}
         for path in own:
             with contextlib.suppress(CheckpointError):  # damage: met again when loaded
-                owner = read_meta(path).get("run_id")
+                owner = self._owner(path)
                 if owner is not None:  # one written before run ids joins the run resuming it
                     owners.setdefault(owner, path)
         if len(owners) > 1:
-            runs = ", ".join(f"{os.path.basename(p)} (run {r})" for r, p in owners.items())
+            runs = ", ".join(f"{_base(p)} (run {r})" for r, p in owners.items())
             raise CheckpointError(
-                f"{self.root} holds checkpoints of {len(owners)} runs ({runs}): move the other "
+                f"{where} holds checkpoints of {len(owners)} runs ({runs}): move the other "
                 f"run's aside, or name one with checkpoint.resume in a new train.run_dir",
                 fallback=False,
             )
@@ -373,4 +530,8 @@ class Checkpointer:
 
     def seeds(self, path: str) -> bool:
         """Whether loading `path` seeds this run directory rather than continuing it."""
-        return os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root)
+        return not self._inside(path)
+
+
+def _base(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from hp_data.fs import first_line
+from hp_data.redact import redact
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hp_runtime.model import ModelConfig
 from hp_runtime.train import rng, storage
 from hp_runtime.train.checkpoint_format import METADATA_KEY, OPTIONS, CheckpointError, tensors
+from hp_runtime.train.checkpoint_remote import Commit, fetcher
 from hp_runtime.train.compat import check_tensors
 from hp_runtime.train.launch import Runtime
 from hp_runtime.train.state import TrainState
@@ -53,25 +55,32 @@ def _metadata(path: str, meta: dict[str, Any]) -> Any:
         raise CheckpointError(f"{path}/.metadata: unreadable ({exc.strerror})") from None
 
 
-def check_files(path: str, metadata: Any) -> None:
+def check_files(path: str, metadata: Any, listing: Commit | None = None) -> None:
     """Name a data file that is missing or shorter than `metadata` (DCP's, of `path`) says (a
-    checkpoint cut by a crash or a full disk), before DCP fails somewhere inside it."""
+    checkpoint cut by a crash or a full disk), before DCP fails somewhere inside it. For a
+    mirror of a remote checkpoint, its commit object's listing stands for the files (fetched
+    as they are read, each checked against it)."""
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for name, size in sorted(needed.items()):
         file = os.path.join(path, name)
-        if not os.path.exists(file):
+        if listing is not None:
+            found = listing.objects.get(name, (None,))[0]
+            file = redact(f"{listing.url}/{name}")
+        else:
+            found = os.path.getsize(file) if os.path.exists(file) else None
+        if found is None:
             raise CheckpointError(f"{file}: missing")
-        if os.path.getsize(file) < size:
-            raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {size} bytes)")
+        if found < size:
+            raise CheckpointError(f"{file}: truncated ({found} of {size} bytes)")
 
 
-def checked_metadata(path: str, meta: dict[str, Any]) -> Any:
+def checked_metadata(path: str, meta: dict[str, Any], listing: Commit | None = None) -> Any:
     """DCP's metadata of a checkpoint, its checksum and its shard files' sizes checked."""
     metadata = _metadata(path, meta)
-    check_files(path, metadata)
+    check_files(path, metadata, listing)
     return metadata
 
 
@@ -92,18 +101,24 @@ def _read_rng(path: str, runtime: Runtime) -> dict[str, Any] | None:
 
 
 def load(
-    path: str, state: TrainState, runtime: Runtime, meta: dict[str, Any], config: ModelConfig
+    path: str,
+    state: TrainState,
+    runtime: Runtime,
+    meta: dict[str, Any],
+    config: ModelConfig,
+    listing: Commit | None = None,
 ) -> None:
     """Load `path` into `state` (any layout), every file checked before anything is applied.
-    RNG states come back when the world size is the one that saved them."""
-    metadata = checked_metadata(path, meta)  # read once for every check
+    RNG states come back when the world size is the one that saved them. `listing`: `path`
+    mirrors the remote checkpoint it lists, whose shards are fetched as they are read."""
+    metadata = checked_metadata(path, meta, listing)  # read once for every check
     check_tensors(path, metadata, config)
     states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
     payload = tensors(state)
     try:
         dcp.load(
             payload,
-            storage_reader=storage.CheckedReader(path),
+            storage_reader=storage.CheckedReader(path, listing and fetcher(listing, path)),
             planner=storage.SafeLoadPlanner(),
         )
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure

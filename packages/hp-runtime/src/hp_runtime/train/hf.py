@@ -445,11 +445,13 @@ def read_model(checkpoint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from hp_runtime.model import Transformer
     from hp_runtime.train.checkpoint_format import read_meta
     from hp_runtime.train.checkpoint_load import checked_metadata
+    from hp_runtime.train.checkpoint_remote import fetcher, opened
     from hp_runtime.train.compat import check_tensors
     from hp_runtime.train.storage import CheckedReader, SafeLoadPlanner
 
-    meta = read_meta(checkpoint)
-    metadata = checked_metadata(checkpoint, meta)  # checksums, nothing unpickled beyond DCP's
+    local, listing = opened(checkpoint)  # a remote one's mirror in the shared cache
+    meta = read_meta(local)
+    metadata = checked_metadata(local, meta, listing)  # checksums, nothing unpickled
     config = _stored_model(checkpoint, meta)
     check_tensors(checkpoint, metadata, config)  # every tensor of the model, by name and shape
     with torch.device("meta"):
@@ -460,7 +462,7 @@ def read_model(checkpoint: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 {"model": wanted},
-                storage_reader=CheckedReader(checkpoint),
+                storage_reader=CheckedReader(local, listing and fetcher(listing, local)),
                 planner=SafeLoadPlanner(),
                 no_dist=True,
             )
@@ -493,11 +495,12 @@ def export_checkpoint(
     family; its multi-token prediction modules written (`mtp` "keep", DeepSeek-V3's layers
     after the model's) or left out ("drop")."""
     from hp_runtime.train.checkpoint_format import read_meta
+    from hp_runtime.train.checkpoint_remote import opened
 
     # A bad --out, or one another export is writing, is refused before the checkpoint is read.
     with ExportTarget(out) as target:
         # The family first: a model that no family is exactly is refused before a tensor is read.
-        config = _stored_model(checkpoint, read_meta(checkpoint))
+        config = _stored_model(checkpoint, read_meta(opened(checkpoint)[0]))
         if mtp == "drop":
             config = dataclasses.replace(config, mtp=None)
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
+from hp_data.redact import redact
 
 from hp_runtime.train.batch import BatchPlan
 from hp_runtime.train.config import Config
@@ -344,18 +345,22 @@ class Loop:
     def log_commits(self) -> None:
         """Log checkpoints once they are committed (never one still being written)."""
         for saved in self.run.checkpointer.take():
+            path = redact(saved.path)  # a URL dir's credentials, where it has any
             self.metrics.write(
                 {
                     "kind": "checkpoint",
                     "step": saved.step,
-                    "path": saved.path,
+                    "path": path,
                     "seconds": saved.seconds,
+                    "blocked_s": saved.blocked,
                     "async": saved.background,
                 }
             )
             self.metrics.say(
-                f"hp-train: checkpoint of step {saved.step}: {saved.path} ({saved.seconds:.2f} s)"
+                f"hp-train: checkpoint of step {saved.step}: {path} ({saved.seconds:.2f} s)"
             )
+            if saved.warning is not None:
+                self.metrics.say(f"hp-train: warning: {saved.warning}")
 
     def near_time_limit(self) -> bool:
         """Rank 0's clock: stop when two more steps and a save would pass the limit."""

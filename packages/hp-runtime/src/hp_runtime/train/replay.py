@@ -14,6 +14,7 @@ on another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,9 @@ from hp_data.fs import write_json
 from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
-from hp_runtime.train.checkpoint_format import committed, read_meta
+from hp_runtime.train import checkpoint_remote as remote
+from hp_runtime.train.checkpoint_format import CHECKPOINTS, committed, read_meta
+from hp_runtime.train.checkpoint_remote import is_remote
 from hp_runtime.train.config import load_config
 from hp_runtime.train.dirlock import hold_run_dir
 from hp_runtime.train.errors import TrainError
@@ -44,9 +47,19 @@ class ReplayedStep:
     logged_grad_norm: float | None
 
 
-def starting_point(run_dir: str, step: int) -> str | None:
-    """The newest committed checkpoint of the run before `step`; None: the run's start."""
-    before = [p for p in committed(os.path.join(run_dir, "checkpoints")) if _step(p) < step]
+def starting_point(root: str, step: int) -> str | None:
+    """The newest committed checkpoint of the run's checkpoint directory or URL `root` before
+    `step`; None: the run's start."""
+    if is_remote(root):
+        steps = {}
+        for url in remote.steps(root):
+            with contextlib.suppress(TrainError):  # a damaged one is not a starting point
+                listing = remote.read_commit(url)
+                if listing is not None:
+                    steps[url] = listing.step
+    else:
+        steps = {path: _step(path) for path in committed(root)}
+    before = [path for path, at in steps.items() if at < step]
     return before[-1] if before else None
 
 
@@ -156,7 +169,7 @@ def replay(
         p = base.parallel
         if p.pp > 1 or p.cp > 1:
             raise TrainError("--dump needs pp = 1 and cp = 1 (whole samples): replay with them")
-    start = starting_point(run_dir, step)
+    start = starting_point(base.checkpoint.dir or os.path.join(run_dir, CHECKPOINTS), step)
     with hold_run_dir(run_dir, runtime, stream):  # a live run there, or another replay: refused
         work = fresh_directory(run_dir, "replay-", runtime)
         try:
@@ -166,6 +179,7 @@ def replay(
                     *overrides,
                     f"train.run_dir={work}",
                     f"checkpoint.resume={start or 'none'}",
+                    "checkpoint.dir=none",  # the replay's own, under its run directory
                     "checkpoint.interval=0",
                     "metrics.log_interval=1",
                     "metrics.plot=false",

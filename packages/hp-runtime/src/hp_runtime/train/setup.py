@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from hp_data.fs import write_text
 from hp_data.phases import PhasedDataset, PhasePlan
-from hp_data.redact import redact_data
+from hp_data.redact import redact, redact_data
+from hp_data.remote import set_timeout
 from torch import nn
 
 from hp_runtime import __version__
@@ -27,6 +28,7 @@ from hp_runtime.train.batch import BatchPlan, batch_plan, phase_starts
 from hp_runtime.train.checkpoint import Checkpointer
 from hp_runtime.train.checkpoint_format import CheckpointError, read_meta
 from hp_runtime.train.checkpoint_load import load
+from hp_runtime.train.checkpoint_remote import is_remote
 from hp_runtime.train.compat import DATA_KEYS, check_compatible
 from hp_runtime.train.config import Config, check_layout, check_paths, to_toml
 from hp_runtime.train.data import Datasets, RunData, build_datasets, resolve_data
@@ -176,8 +178,10 @@ def resume(
     failures = []
     for number, path in enumerate(candidates, 1):
         meta: dict[str, Any] = {}
+        local, listing = path, None
         try:
-            meta = as_phased(read_meta(path), path, config, state.plan, datasets)
+            local, listing = checkpointer.open(path)  # a remote one's mirror on this node
+            meta = as_phased(read_meta(local), path, config, state.plan, datasets)
             check_compatible(
                 meta,
                 path,
@@ -193,12 +197,13 @@ def resume(
         reason = agreed(outcome, runtime)
         if reason is None:
             try:
-                load(path, state, runtime, meta, config.model)
+                load(local, state, runtime, meta, config.model, listing)
                 outcome = None
             except TrainError as exc:
                 outcome = exc
             reason = agreed(outcome, runtime)
         if reason is None:
+            checkpointer.close(path)
             if not checkpointer.seeds(path):
                 checkpointer.adopt(meta)
             return path
@@ -209,8 +214,8 @@ def resume(
         raise CheckpointError(f"checkpoint.resume = {candidates[0]!r}: {failures[-1]}", False)
     if failures:
         raise CheckpointError(
-            f"no checkpoint of {checkpointer.root} could be loaded: {failures[-1]}; move them "
-            f"aside (hp deletes none) or choose a new train.run_dir to start afresh",
+            f"no checkpoint of {redact(checkpointer.root)} could be loaded: {failures[-1]}; "
+            f"move them aside (hp deletes none) or choose a new train.run_dir to start afresh",
             False,
         )
     return None
@@ -309,6 +314,8 @@ class Setup:
     def find_checkpoints(self) -> tuple[Checkpointer, list[str]]:
         """What to resume, decided before anything is written; HF weights to start from
         checked before anything is built."""
+        if is_remote(self.config.checkpoint.dir or ""):  # its requests bounded as data reads
+            set_timeout(self.config.data.remote_timeout_s, "data.remote_timeout_s")
         checkpointer = Checkpointer(self.t.run_dir, self.config.checkpoint, self.runtime, self.text)
         failure, candidates = None, []
         try:

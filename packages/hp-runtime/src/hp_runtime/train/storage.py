@@ -21,7 +21,7 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import torch
@@ -170,9 +170,15 @@ def read_metadata_file(path: str) -> Metadata:
 class CheckedReader(FileSystemReader):
     """DCP's file reader with the restricted metadata loader and checksums verified."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, fetch: Callable[[set[str]], None] | None = None) -> None:
         super().__init__(path)
         self.transforms = _VerifyingTransforms(self)
+        self.fetch = fetch  # a mirror's: brings the shard files a rank's reads need
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.fetch is not None:
+            self.fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
@@ -217,22 +223,32 @@ def write_json(path: str, value: dict[str, Any]) -> None:
     fs.write_json(path, {**value, CHECKSUM_KEY: _digest(value)}, indent=1)
 
 
+def json_bytes(value: dict[str, Any]) -> bytes:
+    """`value` as `write_json` writes it (with its checksum), for an object store."""
+    return json.dumps({**value, CHECKSUM_KEY: _digest(value)}, indent=1).encode()
+
+
 def read_json(path: str, checked: bool = True) -> dict[str, Any]:
     """A JSON object written by `write_json`; one without a checksum is taken as it is (written
     before checksums) unless `checked` demands one."""
+    with open(path, "rb") as stream:
+        return parse_json(stream.read(), path, checked)
+
+
+def parse_json(data: bytes, where: str, checked: bool = True) -> dict[str, Any]:
+    """`read_json` of bytes already read (`where` names them in messages)."""
     try:
-        with open(path, encoding="utf-8") as stream:
-            value = json.load(stream)
+        value = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise Damaged(f"{path}: not UTF-8 text") from None
+        raise Damaged(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
-        raise Damaged(f"{path}: not valid JSON ({exc})") from None
+        raise Damaged(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise Damaged(f"{path}: holds a JSON {type(value).__name__}, not an object")
+        raise Damaged(f"{where}: holds a JSON {type(value).__name__}, not an object")
     if CHECKSUM_KEY in value:
         saved = value.pop(CHECKSUM_KEY)
         if saved != _digest(value):
-            raise Damaged(f"{path}: fails its checksum")
+            raise Damaged(f"{where}: fails its checksum")
     elif checked:
-        raise Damaged(f"{path}: has no checksum")
+        raise Damaged(f"{where}: has no checksum")
     return value

@@ -65,6 +65,8 @@ def shrink(config: Config) -> list[str]:
         "checkpoint.interval=1",
         "checkpoint.keep=0",
         "checkpoint.resume=none",
+        "checkpoint.dir=none",  # each run's own, under its run directory
+        "checkpoint.local_copy=false",
         "checkpoint.async=false",
         "metrics.log_interval=1",
         "metrics.tensorboard=false",

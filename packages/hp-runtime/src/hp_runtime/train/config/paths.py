@@ -113,8 +113,55 @@ def check_paths(config: Config) -> None:
             raise ConfigError(f"data.tokenizer: {_reason(exc)}") from None
     if config.model_init_from is not None:
         _need("model.init_from", config.model_init_from, "dir")
+    _checkpoint_dir(config)
     if config.checkpoint.resume not in ("auto", "none"):
         # Only its form: a path seeds an empty run directory and is ignored once the run has
         # checkpoints of its own (a deleted scratch seed must not stop a preempted run); the
         # checkpointer refuses a missing one when it would be used.
         _plain("checkpoint.resume", config.checkpoint.resume)
+
+
+def _checkpoint_dir(config: Config) -> None:
+    """`checkpoint.dir`: a directory this process can write in, or a URL prefix of a store
+    whose library is installed (nothing is asked of the store yet)."""
+    from hp_data.redact import redact
+    from hp_data.remote import local_path, store_path
+
+    from hp_runtime.train.checkpoint_remote import is_remote
+
+    if is_remote(config.checkpoint.resume):
+        _credential_free("checkpoint.resume", config.checkpoint.resume)
+    where = config.checkpoint.dir
+    if where is None or not is_remote(where):
+        if config.checkpoint.local_copy:
+            raise ConfigError(
+                "checkpoint.local_copy: only with a URL checkpoint.dir (a local one is on a "
+                "disk already); remove it"
+            )
+        if where is not None:
+            _writable_dir("checkpoint.dir", local_path(where))
+        return
+    _plain("checkpoint.dir", where)
+    _credential_free("checkpoint.dir", where)
+    shown = _shown(redact(where))
+    try:
+        _, path = store_path(where)
+    except HpDataError as exc:
+        reason = str(exc).replace("hp-data[remote]", "hp-runtime[remote]")
+        raise ConfigError(f"checkpoint.dir: {redact(reason)}") from None
+    if not path.strip("/"):
+        raise ConfigError(f"checkpoint.dir: {shown} names no bucket or prefix")
+
+
+def _credential_free(key: str, url: str) -> None:
+    """A checkpoint URL without a user, password, query or fragment: object stores take no
+    credentials in a prefix (a presigned URL signs one object), and what names a checkpoint
+    is printed and stored (redacted, but a library's own error may quote it as it is)."""
+    from hp_data.redact import redact
+
+    authority = url.split("://", 1)[1].split("/", 1)[0]
+    if "@" in authority or "?" in url or "#" in url:
+        raise ConfigError(
+            f"{key}: {_shown(redact(url))}: a checkpoint URL carries no credentials, query or "
+            "fragment; give the store's credentials in its environment or fsspec configuration"
+        )

@@ -146,6 +146,7 @@ RANGES: dict[str, Range] = {
     "optim.muon.weight_decay": NON_NEGATIVE,
     "checkpoint.interval": _ints(0),
     "checkpoint.keep": _ints(0),
+    "checkpoint.upload_concurrency": _ints(1, 256),
     "metrics.log_interval": _ints(1),
     "metrics.peak_tflops": POSITIVE,
     "metrics.profile_every": _ints(0),

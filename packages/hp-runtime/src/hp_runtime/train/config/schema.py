@@ -171,6 +171,9 @@ class CheckpointConfig:
     keep: int = 0  # the newest K committed checkpoints stay; 0: all
     async_save: bool = field(default=False, metadata={"key": "async"})
     allow_data_change: bool = False
+    dir: str | None = None  # RUN_DIR/checkpoints; or an fsspec URL prefix (s3://bucket/run/...)
+    upload_concurrency: int = 8  # with a URL dir: a rank's parts of a file uploaded at once
+    local_copy: bool = False  # with a URL dir: the newest also in RUN_DIR/checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
