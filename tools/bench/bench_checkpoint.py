@@ -19,6 +19,15 @@ by hp's `ChecksumWriter`/`CheckedReader` (xxh3 of every item taken while it is w
 while it is read), alternating, best of `--repeats`; the ratio is hp's time over DCP's.
 
     uv run python tools/bench/bench_checkpoint.py --checksums [--models small,125m] [--repeats 5]
+
+`--store` measures checkpoints in object storage against the local disk: the same runs (one
+process, a save every `--interval` steps, sync and async) with `checkpoint.dir` on the local
+disk and as an s3:// URL of a local S3 server (moto, in this process); per run the median of
+the `checkpoint` records' `blocked_s` (the seconds a step boundary waited for the save) and
+`seconds` (from the save's start to its commit), and the run's wall time past the plain
+run's; the ratio is s3 over local.
+
+    uv run python tools/bench/bench_checkpoint.py --store [--models small] [--steps 9]
 """
 
 from __future__ import annotations
@@ -35,14 +44,16 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
-def run(run_dir: Path, model: str, steps: int, *extra: str) -> list[dict]:
+def run(
+    run_dir: Path, model: str, steps: int, *extra: str, env: dict[str, str] | None = None
+) -> list[dict]:
     command = [
         str(BIN / "hp-train"), f"model.preset={model}", "data.type=dummy", "data.seq_length=256",
         "model.max_seq_len=256", "train.micro_batch_size=2", f"train.steps={steps}",
         "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
         "data.num_workers=0", f"train.run_dir={run_dir}", *extra,
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -127,6 +138,50 @@ def checksum_cost(model: str, repeats: int, work: Path) -> dict[str, float]:
     return {"mb": nbytes / 1e6, **best}
 
 
+def store_cost(model: str, steps: int, interval: int, work: Path) -> dict[str, dict]:
+    """Each of local/s3 x sync/async: median blocked and commit seconds, extra wall time."""
+    import os
+    import uuid
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    keys = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    endpoint = f"http://{host}:{port}"
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in keys.items()
+                                               if k != "AWS_DEFAULT_REGION"},
+                 region_name="us-east-1").create_bucket(Bucket=bucket)  # fmt: skip
+    env = {**os.environ, **keys, "FSSPEC_S3_ENDPOINT_URL": endpoint}
+    try:
+        plain = run(work / f"{model}-plain", model, steps)
+        wall = plain[-2]["elapsed_s"] if plain[-1]["kind"] == "end" else plain[-1]["elapsed_s"]
+        out = {}
+        for where in ("local", "s3"):
+            for mode in ("sync", "async"):
+                name = f"{model}-{where}-{mode}"
+                target = f"s3://{bucket}/{name}" if where == "s3" else str(work / name / "ckpt")
+                records = run(
+                    work / name, model, steps, f"checkpoint.interval={interval}",
+                    f"checkpoint.dir={target}", f"checkpoint.async={str(mode == 'async').lower()}",
+                    env=env,
+                )  # fmt: skip
+                saves = [r for r in records if r["kind"] == "checkpoint"]
+                last = [r for r in records if r["kind"] == "train"][-1]["elapsed_s"]
+                out[f"{where}-{mode}"] = {
+                    "blocked_s": statistics.median(r["blocked_s"] for r in saves),
+                    "commit_s": statistics.median(r["seconds"] for r in saves),
+                    "extra_s": last - wall,
+                }
+        return out
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="small,125m")
@@ -134,7 +189,23 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--checksums", action="store_true", help="the cost of checksums only")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--store", action="store_true", help="local disk against s3 (moto)")
     args = parser.parse_args()
+    if args.store:
+        print("model | save | blocked: local s, s3 s, ratio | to commit: local s, s3 s | "
+              "run's extra wall: local s, s3 s")  # fmt: skip
+        with tempfile.TemporaryDirectory() as work:
+            for model in args.models.split(","):
+                r = store_cost(model, args.steps, args.interval, Path(work))
+                for mode in ("sync", "async"):
+                    a, b = r[f"local-{mode}"], r[f"s3-{mode}"]
+                    print(
+                        f"{model} | {mode} | {a['blocked_s']:.3f}, {b['blocked_s']:.3f}, "
+                        f"{b['blocked_s'] / a['blocked_s']:.2f}x | {a['commit_s']:.2f}, "
+                        f"{b['commit_s']:.2f} | {a['extra_s']:.2f}, {b['extra_s']:.2f}",
+                        flush=True,
+                    )
+        return
     if args.checksums:
         print("model | state MB | save: DCP s, hp s, ratio | load: DCP s, hp s, ratio")
         with tempfile.TemporaryDirectory() as work:
