@@ -350,6 +350,53 @@ def test_a_damaged_object_falls_back_to_the_checkpoint_before(moto, bucket, tmp_
     assert listing_holds(keys(moto, bucket), "run/step-0000006/")  # written again, whole
 
 
+def test_a_store_failing_while_a_shard_is_read_stops_the_run_instead_of_falling_back(
+    moto, bucket, tmp_path
+):
+    """A resume whose shard the store will not serve (503s, every try) stops in one line:
+    it is not damage, so the run neither falls back to step 4 nor saves step 6 again."""
+    url = f"s3://{bucket}/run"
+    args = [*RUN, f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={url}"]
+    with relay(moto):
+        assert hp_train_here(*args).returncode == 0
+    before = keys(moto, bucket)
+    faults = Faults()
+
+    def refuse(number: int, method: str, path: str) -> None:
+        if ".distcp" in path and number:
+            faults.status_on.update({n: 503 for n in range(number, number + 10)})
+
+    faults.hook = refuse
+    with relay(moto, faults):
+        again = hp_train_here(*args, "train.steps=8")
+    assert again.returncode == 1 and len(again.stderr.splitlines()) == 1, again.stderr
+    assert f"{url}/step-0000006/__0_0.distcp: cannot be read" in again.stderr, again.stderr
+    assert "trying the checkpoint before it" not in again.stdout
+    assert keys(moto, bucket) == before
+
+
+def test_an_unreadable_commit_object_is_skipped_then_kept_aside_when_its_step_is_saved(
+    moto, bucket, tmp_path, reference
+):
+    url = f"s3://{bucket}/run"
+    args = [*RUN, f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={url}"]
+    with relay(moto):
+        assert hp_train_here(*args).returncode == 0
+    client = s3_client(moto)
+    client.put_object(Bucket=bucket, Key="run/step-0000006/commit.json", Body=b"{garbled")  # type: ignore[attr-defined]
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    with relay(moto):
+        again = hp_train_here(*args)
+    assert again.returncode == 0, again.stderr
+    assert f"{url}/step-0000006/commit.json: not valid JSON" in again.stdout
+    assert f"resumed from {url}/step-0000004" in again.stdout
+    assert losses(tmp_path / "run") == {s: reference[s] for s in (5, 6)}
+    objects = keys(moto, bucket)
+    aside = [k for k in objects if k.startswith("run/step-0000006/commit.json.unreadable-")]
+    assert len(aside) == 1 and objects[aside[0]] == b"{garbled"
+    assert listing_holds(objects, "run/step-0000006/")
+
+
 def test_a_crafted_pickle_in_a_remote_checkpoint_is_refused_by_name(moto, bucket, tmp_path):
     """A bucket's checkpoint whose optimizer item is a pickle that runs a command, listed with
     the right sizes and digests (the store's writer is the attacker): refused by name."""

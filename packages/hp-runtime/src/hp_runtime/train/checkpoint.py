@@ -91,6 +91,7 @@ class Pending:
     started: float
     nbytes: int
     blocked: float = 0.0  # seconds the step boundary waited for it
+    writer: Any = None  # a URL dir's `Uploader`: what its background prune could not do
 
 
 @dataclass(frozen=True)
@@ -205,21 +206,21 @@ class Checkpointer:
         except TrainError:
             self._remove(tmp)
             raise
+        writer = self._writer(tmp, state.step)
         if self.config.async_save and not block:
-            future = dcp.async_save(
-                payload, storage_writer=self._writer(tmp, state.step), process_group=self.group
-            )
+            future = dcp.async_save(payload, storage_writer=writer, process_group=self.group)
             self.last_save_seconds = time.perf_counter() - start
-            self.pending = Pending(state.step, future, tmp, start, nbytes, self.last_save_seconds)
+            blocked = self.last_save_seconds
+            self.pending = Pending(state.step, future, tmp, start, nbytes, blocked, writer)
             return
         try:
-            dcp.save(payload, storage_writer=self._writer(tmp, state.step))
+            dcp.save(payload, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
             self._remove(tmp)
             raise self._failed(exc, tmp, nbytes) from None
         failure = None
         try:
-            self._commit(Pending(state.step, None, tmp, start, nbytes), background=False)
+            self._commit(Pending(state.step, None, tmp, start, nbytes, 0, writer), False)
         except SaveFailed as exc:  # rank 0's rename or seal
             failure = exc
         agree(failure, self.runtime)
@@ -241,6 +242,7 @@ class Checkpointer:
             seal,
             (step, self.run_id),
             copy,
+            self._prune,
         )
 
     def _drop_mirrors(self, but: str = "") -> None:
@@ -321,17 +323,19 @@ class Checkpointer:
         )
 
     def _remove(self, tmp: str) -> None:
-        """A save that failed leaves nothing (rank 0 removes its directory, hp's own)."""
-        if self.runtime.is_main:
+        """A save that failed leaves nothing (rank 0 removes its directory, hp's own; with a
+        URL dir each node's first rank, whose node staged its part)."""
+        if self.runtime.is_main or (self.remote and self.runtime.local_rank == 0):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _commit(self, save: Pending, background: bool) -> None:
         step, tmp = save.step, save.staging
         final = self._join(step_name(step))
         warning = None
-        if self.runtime.is_main and self.remote:  # committed by the upload's finish
-            shutil.rmtree(tmp, ignore_errors=True)  # emptied by the upload
-            warning = self._prune()
+        if self.remote:  # committed, and older ones pruned, by the upload's finish
+            if self.runtime.local_rank == 0:  # each node's staging, emptied by the upload
+                shutil.rmtree(tmp, ignore_errors=True)
+            warning = save.writer.warning if self.runtime.is_main else None
         elif self.runtime.is_main:
             try:
                 seal(tmp)
@@ -358,16 +362,38 @@ class Checkpointer:
         are fetched by."""
         if not remote.is_remote(path):
             return path, None
-        directory, first = self.mirror_dir(path), None
+        listing = self._from_main(lambda: remote.committed_listing(path))
+        directory, failure = self.mirror_dir(path), None
         if self.runtime.local_rank == 0:  # each node's first rank fetches; the others find it
             try:
-                remote.mirror(path, directory)
-            except CheckpointError as exc:
-                first = exc
+                remote.mirror(listing, directory)
+            except TrainError as exc:
+                failure = exc
+            except Exception as exc:  # never a rank left waiting in the barrier below
+                failure = CheckpointError(f"{directory}: {first_line(exc, named=True)}", False)
         dist.barrier()
-        if first is not None:
-            raise first
-        return directory, remote.mirror(path, directory)  # checked: nothing left to fetch
+        if failure is not None:
+            raise failure
+        remote.mirror(listing, directory, self.runtime.rank)  # checked, and its own RNG file
+        return directory, listing
+
+    def _from_main(self, ask: Callable[[], Any]) -> Any:
+        """`ask()` of the store by rank 0 alone, its answer handed to every rank (a thousand
+        ranks do not each ask); a `CheckpointError` of rank 0's is raised on every rank."""
+        if self.runtime.world_size == 1:
+            return ask()
+        box: list[Any] = [None, None]
+        if self.runtime.is_main:
+            try:
+                box[0] = ask()
+            except CheckpointError as exc:
+                box[1] = (str(exc), exc.fallback)
+            except Exception as exc:  # never a rank left waiting in the broadcast below
+                box[1] = (f"{redact(self.root)}: {redact(first_line(exc, named=True))}", False)
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise CheckpointError(*box[1])
+        return box[0]
 
     def close(self, path: str) -> None:
         """After every rank loaded `path`: its mirror goes, unless it is the node's copy of
@@ -391,23 +417,10 @@ class Checkpointer:
         return remote.join(self.root, name) if self.remote else os.path.join(self.root, name)
 
     def _shared(self, say: Callable[[str], None]) -> list[str]:
-        """`_committed`, of a URL dir asked by rank 0 alone and handed to every rank (a
-        thousand ranks do not each list the bucket). Where rank 0 fails, the others get
-        nothing and meet its error in the agreement that follows."""
-        if not self.remote or self.runtime.world_size == 1:
+        """`_committed`, of a URL dir listed by rank 0 alone for every rank."""
+        if not self.remote:
             return self._committed(say)
-        box: list[Any] = [None]
-        failure = None
-        if self.runtime.is_main:
-            try:
-                self._committed(say)
-                box[0] = self.listings
-            except CheckpointError as exc:
-                failure = exc
-        dist.broadcast_object_list(box, src=0)
-        if failure is not None:
-            raise failure
-        self.listings = box[0] or {}
+        self.listings = self._from_main(lambda: (self._committed(say), self.listings)[1])
         return list(self.listings)
 
     def _committed(self, say: Callable[[str], None] = lambda _: None) -> list[str]:

@@ -122,6 +122,10 @@ def load(
             planner=storage.SafeLoadPlanner(),
         )
     except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
+        for failure in (getattr(exc, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointError):  # a remote shard's fetch: its own verdict
+                raise CheckpointError(str(inner), inner.fallback) from None
         raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
     if states is not None:
         try:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +49,8 @@ COMMIT = "commit.json"
 MIRROR = "local-"  # a mirror's name beside staging: never `step-N`, never taken for one
 _LISTING = "hp.objects"  # the fqn of the result that carries a rank's objects to rank 0
 _READ_BLOCK = 16 << 20
+_PART = re.compile(r"[A-Za-z0-9._-]+")  # of an object's name: no query or fragment a store
+# library would cut off (and so read or delete another object by)
 PART_BYTES = 64 << 20  # a multipart upload's part: a 5 GB shard is 80 parts (S3 allows 10,000)
 
 
@@ -136,15 +138,25 @@ class Commit:
         for name, entry in (objects or {}).items() if good else ():
             entry = entry if isinstance(entry, dict) else {}
             size, digest = entry.get("size"), entry.get("xxh3")
-            unsafe = not name or name.startswith("/") or "" in name.split("/")[1:]
-            unsafe = unsafe or any(part in (".", "..") for part in name.split("/"))
-            if unsafe or not isinstance(size, int) or size < 0 or not isinstance(digest, str):
+            if not (_plain(name) and isinstance(size, int) and size >= 0):
                 good = False
-                break
             listed[name] = (size, digest)
-        if not good:
-            raise CheckpointError(f"{where}: not a commit object (step, run_id, objects)")
+            good = good and isinstance(digest, str)
+        folders = {name.rsplit("/", 1)[0] for name in listed if "/" in name}
+        step = url.rstrip("/").rsplit("/", 1)[-1][len(PREFIX) :]
+        good = good and not folders & set(listed) and step.isdigit()
+        if not good or int(step) != value["step"]:
+            raise CheckpointError(
+                f"{where}: not a commit object (its step, run_id and objects, each a plain "
+                "relative name with a size and xxh3)"
+            )
         return cls(url, value["step"], value["run_id"], listed)
+
+
+def _plain(name: str) -> bool:
+    """A relative name of plain parts, none of them "." or ".."."""
+    parts = name.split("/")
+    return all(_PART.fullmatch(p) and p not in (".", "..") for p in parts)
 
 
 def read_commit(url: str) -> Commit | None:
@@ -220,16 +232,31 @@ class Uploader(storage.ChecksumWriter):
         seal: Callable[[str], None],
         identity: tuple[int, str],
         copy: str | None,
+        after: Callable[[], str | None],
     ) -> None:
         super().__init__(staging)
         self.staging, self.url, self.extra = staging, url, extra
         self.concurrency, self.seal, self.identity = concurrency, seal, identity
-        self.copy = copy
+        self.copy, self.after = copy, after
+        self.warning: str | None = None  # what `after` (keep's deletes) could not do
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         """Rank 0, before any rank writes: a save of a step again (after falling back from
-        its damaged checkpoint) first makes it no checkpoint while its objects change."""
-        if read_commit(self.url) is not None:
+        its damaged checkpoint) first makes it no checkpoint while its objects change; a
+        commit object it cannot read is kept aside, another run's is never written over."""
+        commit_url = join(self.url, COMMIT)
+        data = _read_bytes(commit_url)
+        if data is not None:
+            try:
+                owner = Commit.parse(self.url, data).run_id
+            except CheckpointError:
+                owner = None
+                _put_bytes(data, f"{commit_url}.unreadable-{uuid.uuid4().hex[:8]}")
+            if owner not in (None, self.identity[1]):
+                raise UploadFailed(
+                    f"{redact(self.url)} is a checkpoint of another run ({owner}): hp writes "
+                    "over no other run's checkpoint; give each run its own checkpoint.dir"
+                )
             uncommit(self.url)
         return super().prepare_global_plan(plans)
 
@@ -267,6 +294,7 @@ class Uploader(storage.ChecksumWriter):
             objects[name] = self._upload(name)
         step, run_id = self.identity
         commit(self.url, Commit(self.url, step, run_id, objects))
+        self.warning = self.after()  # keep's deletes, here in the background too
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -287,23 +315,29 @@ def fetch(listing: Commit, name: str, directory: str) -> None:
     if _whole(target, size, digest):
         return
     url = join(listing.url, name)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    part = f"{target}.part-{os.getpid()}-{threading.get_ident()}"
+    part = f"{target}.part-{uuid.uuid4().hex}"
     fs, path = store_path(url)
     try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         try:
             retried(lambda: fs.get_file(path, part))
         except Exception as exc:
-            reason = "missing" if missing(exc) else f"cannot be read: {describe(exc)}"
-            raise CheckpointError(f"{redact(url)}: {reason}", missing(exc)) from None
+            if missing(exc):  # damage: an older checkpoint may do
+                raise CheckpointError(f"{redact(url)}: missing") from None
+            reason = f"{redact(url)}: cannot be read: {describe(exc)}"
+            raise CheckpointError(reason, False) from None
         if not _whole(part, size, digest):
             raise CheckpointError(
                 f"{redact(url)}: not the bytes its commit object lists ({size} bytes, xxh3 "
                 f"{digest})"
             )
         os.replace(part, target)
+    except OSError as exc:  # this node's disk, not the checkpoint: no falling back for it
+        raise CheckpointError(
+            f"{redact(url)}: cannot be copied to {directory}: {exc.strerror or exc}", False
+        ) from None
     finally:
-        if os.path.exists(part):
+        with contextlib.suppress(OSError):
             os.remove(part)
 
 
@@ -311,20 +345,25 @@ def _is_shard(name: str) -> bool:
     return name.endswith(".distcp")
 
 
-def mirror(url: str, directory: str) -> Commit:
-    """The committed checkpoint at `url` in `directory` (on this node's disk): its commit
-    object, `meta.json`, DCP's `.metadata` and the random states, each checked; its shards
-    are fetched by `fetcher` as they are read. Every rank of a node may call it at once."""
+def committed_listing(url: str) -> Commit:
+    """The commit object of `url`, which must have one."""
     listing = read_commit(url)
     if listing is None:
         raise CheckpointError(
             f"{redact(url)}: no {COMMIT} (a save that did not finish): not a checkpoint"
         )
+    return listing
+
+
+def mirror(listing: Commit, directory: str, rank: int | None = None) -> None:
+    """The committed checkpoint `listing` names, in `directory` (on this node's disk): its
+    `meta.json` and DCP's `.metadata`, and `rank`'s random states, each checked; its shards
+    are fetched by `fetcher` as they are read. Every rank of a node may call it at once."""
+    own = None if rank is None else f"extra/rank-{rank:05d}.json"
     for name in sorted(listing.objects):
-        if not _is_shard(name):
+        if not _is_shard(name) and (not name.startswith("extra/") or name == own):
             fetch(listing, name, directory)
     _drop_unlisted(listing, directory)
-    return listing
 
 
 def _drop_unlisted(listing: Commit, directory: str) -> None:
@@ -335,7 +374,7 @@ def _drop_unlisted(listing: Commit, directory: str) -> None:
         for file in files:
             name = os.path.relpath(os.path.join(parent, file), directory).replace(os.sep, "/")
             if name not in listing.objects and ".part-" not in file:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # what stays is never read as listed
                     os.remove(os.path.join(parent, file))
 
 
@@ -360,4 +399,6 @@ def opened(path: str, directory: str | None = None) -> tuple[str, Commit | None]
     if directory is None:
         key = xxhash.xxh3_64_hexdigest(canonical_url(path).encode())
         directory = os.path.join(resolve_cache_dir(None), "checkpoints", key)
-    return directory, mirror(path, directory)
+    listing = committed_listing(path)
+    mirror(listing, directory)
+    return directory, listing

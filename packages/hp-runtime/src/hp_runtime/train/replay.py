@@ -14,7 +14,6 @@ on another.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -25,11 +24,12 @@ from typing import Any, TextIO
 
 import torch.distributed as dist
 from hp_data.fs import write_json
+from hp_data.remote import local_path
 from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.parallelize import canonical_name
 from hp_runtime.train import checkpoint_remote as remote
-from hp_runtime.train.checkpoint_format import CHECKPOINTS, committed, read_meta
+from hp_runtime.train.checkpoint_format import CHECKPOINTS, CheckpointError, committed, read_meta
 from hp_runtime.train.checkpoint_remote import is_remote
 from hp_runtime.train.config import load_config
 from hp_runtime.train.dirlock import hold_run_dir
@@ -53,12 +53,16 @@ def starting_point(root: str, step: int) -> str | None:
     if is_remote(root):
         steps = {}
         for url in remote.steps(root):
-            with contextlib.suppress(TrainError):  # a damaged one is not a starting point
+            try:
                 listing = remote.read_commit(url)
-                if listing is not None:
-                    steps[url] = listing.step
+            except CheckpointError as exc:
+                if not exc.fallback:  # the store unreachable: no silent older start
+                    raise
+                continue  # a damaged one is not a starting point
+            if listing is not None:
+                steps[url] = listing.step
     else:
-        steps = {path: _step(path) for path in committed(root)}
+        steps = {path: _step(path) for path in committed(local_path(root))}
     before = [path for path, at in steps.items() if at < step]
     return before[-1] if before else None
 

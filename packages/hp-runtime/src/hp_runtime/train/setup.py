@@ -207,6 +207,7 @@ def resume(
             if not checkpointer.seeds(path):
                 checkpointer.adopt(meta)
             return path
+        checkpointer.close(path)  # its mirror, where it was a remote one's
         failures.append(reason)
         if number < len(candidates):
             say(f"hp-train: warning: {failures[-1]}; trying the checkpoint before it")
