@@ -62,6 +62,11 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def is_remote(path: str) -> bool:
+    """A path whose data is in a store: a URL, but not a `file://` one of this machine."""
+    return is_url(local_path(path))
+
+
 def local_path(spec: str) -> str:
     """`spec`, a `file://` URL of this machine as the plain path it names (so that it is
     pinned, identified and read once as a local file is); any other spec as it is."""

@@ -37,7 +37,14 @@ from typing import Any
 import xxhash
 from hp_data.cache import resolve_cache_dir
 from hp_data.redact import redact
-from hp_data.remote import canonical_url, describe, is_url, missing, retried, store_path
+from hp_data.remote import (
+    canonical_url,
+    describe,
+    is_remote,
+    missing,
+    retried,
+    store_path,
+)
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -52,11 +59,6 @@ _READ_BLOCK = 16 << 20
 _PART = re.compile(r"[A-Za-z0-9._-]+")  # of an object's name: no query or fragment a store
 # library would cut off (and so read or delete another object by)
 PART_BYTES = 64 << 20  # a multipart upload's part: a 5 GB shard is 80 parts (S3 allows 10,000)
-
-
-def is_remote(path: str) -> bool:
-    """A checkpoint path that names objects in a store (`file://` is a local path)."""
-    return is_url(path) and not path.startswith("file://")
 
 
 def join(root: str, *names: str) -> str:

@@ -125,9 +125,7 @@ def _checkpoint_dir(config: Config) -> None:
     """`checkpoint.dir`: a directory this process can write in, or a URL prefix of a store
     whose library is installed (nothing is asked of the store yet)."""
     from hp_data.redact import redact
-    from hp_data.remote import local_path, store_path
-
-    from hp_runtime.train.checkpoint_remote import is_remote
+    from hp_data.remote import is_remote, local_path, store_path
 
     if is_remote(config.checkpoint.resume):
         _credential_free("checkpoint.resume", config.checkpoint.resume)
