@@ -329,24 +329,33 @@ def test_keep_deletes_only_what_this_runs_older_checkpoints_list(moto, bucket, t
     assert all(objects[k] == v for k, v in theirs.items())
 
 
-def test_a_damaged_object_falls_back_to_the_checkpoint_before(moto, bucket, tmp_path, reference):
-    url = f"s3://{bucket}/run"
-    args = [*RUN, f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={url}"]
+def _damaged_then_again(moto, bucket, tmp_path, reference, damage) -> str:
+    """The run to its end on the store, `damage(client)` done to step 6, then the same
+    command again: it falls back to step 4 and trains steps 5 and 6 as the reference did.
+    Its output."""
+    args = [*RUN, f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir=s3://{bucket}/run"]
     with relay(moto):
         assert hp_train_here(*args).returncode == 0
-    client = s3_client(moto)
-    shard = next(k for k in keys(moto, bucket) if k.startswith("run/step-0000006/") and
-                 k.endswith(".distcp"))  # fmt: skip
-    data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())  # type: ignore[attr-defined]
-    data[len(data) // 2] ^= 0xFF
-    client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))  # type: ignore[attr-defined]
+    damage(s3_client(moto))
     (tmp_path / "run" / "metrics.jsonl").unlink()  # the run again, from what the store holds
     with relay(moto):
         again = hp_train_here(*args)
     assert again.returncode == 0, again.stderr
-    assert f"{url}/step-0000006/{shard.rsplit('/', 1)[1]}: not the bytes its commit" in again.stdout
-    assert f"resumed from {url}/step-0000004" in again.stdout
+    assert f"resumed from s3://{bucket}/run/step-0000004" in again.stdout
     assert losses(tmp_path / "run") == {s: reference[s] for s in (5, 6)}
+    return again.stdout
+
+
+def test_a_damaged_object_falls_back_to_the_checkpoint_before(moto, bucket, tmp_path, reference):
+    shard = "run/step-0000006/__0_0.distcp"
+
+    def flip(client) -> None:
+        data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+        data[len(data) // 2] ^= 0xFF
+        client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+
+    out = _damaged_then_again(moto, bucket, tmp_path, reference, flip)
+    assert f"s3://{bucket}/{shard}: not the bytes its commit" in out
     assert listing_holds(keys(moto, bucket), "run/step-0000006/")  # written again, whole
 
 
@@ -378,19 +387,11 @@ def test_a_store_failing_while_a_shard_is_read_stops_the_run_instead_of_falling_
 def test_an_unreadable_commit_object_is_skipped_then_kept_aside_when_its_step_is_saved(
     moto, bucket, tmp_path, reference
 ):
-    url = f"s3://{bucket}/run"
-    args = [*RUN, f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={url}"]
-    with relay(moto):
-        assert hp_train_here(*args).returncode == 0
-    client = s3_client(moto)
-    client.put_object(Bucket=bucket, Key="run/step-0000006/commit.json", Body=b"{garbled")  # type: ignore[attr-defined]
-    (tmp_path / "run" / "metrics.jsonl").unlink()
-    with relay(moto):
-        again = hp_train_here(*args)
-    assert again.returncode == 0, again.stderr
-    assert f"{url}/step-0000006/commit.json: not valid JSON" in again.stdout
-    assert f"resumed from {url}/step-0000004" in again.stdout
-    assert losses(tmp_path / "run") == {s: reference[s] for s in (5, 6)}
+    def garble(client) -> None:
+        client.put_object(Bucket=bucket, Key="run/step-0000006/commit.json", Body=b"{garbled")
+
+    out = _damaged_then_again(moto, bucket, tmp_path, reference, garble)
+    assert f"s3://{bucket}/run/step-0000006/commit.json: not valid JSON" in out
     objects = keys(moto, bucket)
     aside = [k for k in objects if k.startswith("run/step-0000006/commit.json.unreadable-")]
     assert len(aside) == 1 and objects[aside[0]] == b"{garbled"
