@@ -22,7 +22,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_runtime.model import ModelConfig
 from hp_runtime.train import rng, storage
-from hp_runtime.train.checkpoint_format import METADATA_KEY, OPTIONS, CheckpointError, tensors
+from hp_runtime.train.checkpoint_format import (
+    METADATA_KEY,
+    OPTIONS,
+    CheckpointError,
+    plain,
+    tensors,
+)
 from hp_runtime.train.checkpoint_remote import Commit, fetcher
 from hp_runtime.train.compat import check_tensors
 from hp_runtime.train.launch import Runtime
@@ -136,3 +142,31 @@ def load(
             ) from None
     _apply(state, payload)
     state.load_scalars(meta)
+
+
+def load_model(
+    path: str,
+    modules: list[Any],
+    meta: dict[str, Any],
+    config: ModelConfig,
+    listing: Commit | None = None,
+) -> None:
+    """Only the model's tensors of `path` into `modules` (this rank's parts, any layout), its
+    files checked as `load` checks them: what evaluation reads (no optimizer state is read)."""
+    metadata = checked_metadata(path, meta, listing)
+    check_tensors(path, metadata, config)
+    own: dict[str, Any] = {}
+    for module in modules:
+        own.update(get_model_state_dict(module, options=OPTIONS))
+    payload = {"model": {k: plain(v) for k, v in own.items()}}
+    try:
+        dcp.load(
+            payload,
+            storage_reader=storage.CheckedReader(path, listing and fetcher(listing, path)),
+            planner=storage.SafeLoadPlanner(),
+        )
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
+    for module in modules:
+        mine = get_model_state_dict(module, options=OPTIONS)
+        set_model_state_dict(module, {k: payload["model"][k] for k in mine}, options=OPTIONS)

@@ -7,6 +7,7 @@
     torchrun --nproc-per-node 8 -m hp_runtime.train verify --config cfg.toml
     hp-train replay RUN_DIR --step 1234 [--dump DIR] [parallel.dp_shard=1 ...]
     hp-train mix-report RUN_DIR [--json]   (or --config cfg.toml [KEY=VALUE ...])
+    hp-train eval RUN_DIR/checkpoints/step-0001000 --tasks hellaswag,arc_easy [--limit N]
 
 Bad input ends the run with one line on stderr and a non-zero exit: 2 for the configuration,
 1 for everything else (data, layout, a non-finite loss). Only one rank prints it.
@@ -17,6 +18,7 @@ torch, and `plot` no model.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -39,7 +41,8 @@ def _fail(message: str, code: int, rank: int) -> None:
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Every key is listed in docs/training.md. Subcommands: hp-train plot RUN_DIR; "
     "hp-train export CHECKPOINT --out DIR; hp-train verify --config FILE; "
-    "hp-train replay RUN_DIR --step N; hp-train mix-report RUN_DIR | --config FILE [--json].",
+    "hp-train replay RUN_DIR --step N; hp-train mix-report RUN_DIR | --config FILE [--json]; "
+    "hp-train eval CHECKPOINT --tasks NAMES.",
 )
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.argument("overrides", nargs=-1)
@@ -250,6 +253,93 @@ def blame_command(run_dir: str, step: int, as_json: bool, losses: bool) -> None:
     click.echo(json.dumps(report, indent=1) if as_json else table(report))
 
 
+def _listed(text: str | None) -> str | None:
+    """A comma-separated option as a TOML list override's value."""
+    if text is None:
+        return None
+    return "[" + ", ".join(json.dumps(p.strip()) for p in text.split(",") if p.strip()) + "]"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint", type=str)
+@click.option("--tasks", required=True, help="lm-eval tasks or groups, or task YAML files: a,b,c.")
+@click.option("--limit", type=click.IntRange(1), default=None, help="The first N documents a task.")
+@click.option("--include", default=None, help="Directories of your own task YAMLs: d1,d2.")
+@click.option("--tokenizer", default=None, help="Default: the run's eval.tokenizer or data's.")
+@click.option("--batch-size", type=click.IntRange(1, 4096), default=None, help="Per dp rank.")
+@click.option("--bootstrap-iters", type=click.IntRange(0), default=100000, show_default=True)
+@click.option("--output", default=None, help="Also write lm-eval's results JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print lm-eval's results JSON.")
+@click.argument("overrides", nargs=-1)
+def eval_command(
+    checkpoint: str,
+    tasks: str,
+    limit: int | None,
+    include: str | None,
+    tokenizer: str | None,
+    batch_size: int | None,
+    bootstrap_iters: int,
+    output: str | None,
+    as_json: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    """Run lm-eval tasks on CHECKPOINT (a directory or a checkpoint.dir URL) on the layout the
+    overrides give (parallel.tp=2 ...); launch it as a run: torchrun --nproc-per-node N -m
+    hp_runtime.train eval CHECKPOINT --tasks hellaswag."""
+    from hp_data.errors import HpDataError
+
+    from hp_runtime.train.config.paths import check_eval_paths
+    from hp_runtime.train.errors import ConfigError, TrainError
+    from hp_runtime.train.eval_checkpoint import (
+        check_output,
+        evaluate_checkpoint,
+        stored_config,
+        write_results,
+    )
+
+    rank = int(os.environ.get("RANK", "0"))
+    asked = {
+        "eval.tasks": _listed(tasks),
+        "eval.include": _listed(include),
+        "eval.limit": limit,
+        "eval.tokenizer": tokenizer and json.dumps(tokenizer),
+        "eval.batch_size": batch_size,
+    }
+    given = [f"{k}={v}" for k, v in asked.items() if v is not None]
+    if asked["eval.tasks"] == "[]":
+        _fail("--tasks: give lm-eval task names or task YAML files, comma-separated", 2, rank)
+    try:
+        check_eval_paths(
+            tuple(json.loads(_listed(tasks) or "[]")), tuple(json.loads(_listed(include) or "[]")),
+            tokenizer, prefix="--",
+        )  # fmt: skip
+        if output is not None:
+            check_output(output)
+        config = stored_config(checkpoint, [*overrides, *given])
+    except ConfigError as exc:
+        _fail(str(exc), 2, rank)
+    except (TrainError, HpDataError) as exc:
+        _fail(str(exc), 1, rank)
+    results = _job(
+        config, lambda rt: evaluate_checkpoint(checkpoint, config, rt, "--tasks", bootstrap_iters)
+    )
+    if rank != 0:
+        return
+    if output is not None:
+        try:
+            write_results(results, output)
+        except TrainError as exc:
+            _fail(str(exc), 1, 0)
+    if as_json:
+        from lm_eval.utils import handle_non_serializable
+
+        click.echo(json.dumps(results, indent=2, default=handle_non_serializable))
+    else:
+        from lm_eval.utils import make_table
+
+        click.echo(make_table(results))
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=str, default=None, help="The run's TOML file.")
 @click.option("--world", type=int, required=True, help="The ranks the run will have.")
@@ -317,6 +407,7 @@ SUBCOMMANDS = {
     "mix-report": mix_report_command,
     "blame": blame_command,
     "plan": plan_command,
+    "eval": eval_command,
 }
 
 

@@ -104,7 +104,8 @@ def train(
 
 
 class Loop:
-    """One rank's run: each `step` → `maybe_log` → `maybe_eval` → `maybe_checkpoint`, then
+    """One rank's run: each `step` → `maybe_log` → `maybe_eval` → `maybe_downstream` →
+    `maybe_checkpoint`, then
     `finish` and the `end` record. A step's values reach the host one step late
     (`LaggedValues`); a step that logs, validates or saves reads its own at once."""
 
@@ -144,6 +145,7 @@ class Loop:
                     lr = self.step(step)
                     done = self.maybe_log(step, lr)  # each one that ran is not training time
                     done |= self.maybe_eval(step)
+                    done |= self.maybe_downstream(step)
                     done |= self.maybe_checkpoint(step)
                     if done:
                         self.mark(step)
@@ -261,6 +263,19 @@ class Loop:
             run.stepper, run.valid_loader, run.plan, t.eval_iters
         )
         self.metrics.validation(step, self.result.val_losses[step])
+        return True
+
+    def maybe_downstream(self, step: int) -> bool:
+        """`[eval]`'s tasks at its steps and the last; whether they ran."""
+        downstream, interval = self.run.downstream, self.config.eval.interval
+        if downstream is None or not (step % interval == 0 or step == self.t.steps):
+            return False
+        if self.result.stopped_by:  # a stop asked for: the save first, the tasks not at all
+            return False
+        self.settle_all()
+        started = time.perf_counter()
+        values = downstream()
+        self.metrics.downstream(step, values, time.perf_counter() - started)
         return True
 
     def maybe_checkpoint(self, step: int) -> bool:

@@ -376,6 +376,13 @@ class MetricsLog:
         self._scalars(step, {"val_loss": val_loss, "val_ppl": ppl})
         self.say(f"validation at step {step} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
 
+    def downstream(self, step: int, values: dict[str, float], seconds: float) -> None:
+        """`[eval]`'s results: a `downstream` record of `eval/TASK/METRIC` values."""
+        self.write({"kind": "downstream", "step": step, **values, "eval_s": seconds})
+        self._scalars(step, values)
+        shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in values.items())
+        self.say(f"downstream at step {step} | {shown} | {seconds:.1f} s")
+
     @staticmethod
     def _ranks_text(record: dict[str, Any]) -> str:
         """The log line's straggler part: the fastest and slowest rank's step time."""

@@ -1,7 +1,7 @@
 """`hp-train plot RUN_DIR`: loss (train and validation), learning rate, tokens/s and gradient
-norm from `RUN_DIR/metrics.jsonl`, and for a MoE model the expert load of each layer (and the
-auxiliary loss), drawn into `RUN_DIR/metrics.png` (needs matplotlib: the `hp-runtime[plot]`
-extra)."""
+norm from `RUN_DIR/metrics.jsonl`, for a MoE model the expert load of each layer (and the
+auxiliary loss), and `[eval]`'s downstream results, drawn into `RUN_DIR/metrics.png` (needs
+matplotlib: the `hp-runtime[plot]` extra)."""
 
 from __future__ import annotations
 
@@ -125,6 +125,19 @@ def _moe_panels(axes: Any, steps: list[Any], train: list[dict[str, Any]]) -> Non
         aux.set_axis_off()
 
 
+def _downstream_panel(axes: Any, downstream: list[dict[str, Any]]) -> None:
+    """`[eval]`'s results: one line a task's metric (`eval/TASK/METRIC`), against the step."""
+    curves, other = axes
+    steps = [r["step"] for r in downstream]
+    names = sorted({k for r in downstream for k in r if k.startswith("eval/")})
+    for name in names:
+        curves.plot(steps, [_number(r.get(name)) for r in downstream], "o-", label=name[5:])
+    curves.set_title("downstream tasks (lm-eval)")
+    curves.legend(fontsize="small")
+    curves.grid(alpha=0.3)
+    other.set_axis_off()
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Draw the run's curves; returns the PNG's path. Only `out` (default
     RUN_DIR/metrics.png) is written, through a hidden temporary file of a unique name."""
@@ -151,7 +164,11 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         raise TrainError(f"{run_dir}/metrics.jsonl: no training steps logged yet")
     steps = [r["step"] for r in train]
     moe = any("moe_load_max_over_mean" in r for r in train)
-    rows = 3 if moe else 2
+    downstream = [
+        r for r in records
+        if r.get("kind") == "downstream" and not math.isnan(_number(r.get("step")))
+    ]  # fmt: skip
+    rows = 2 + moe + bool(downstream)
     figure, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), sharex=True)
     panels = [
         (axes[0][0], "loss", "loss"),
@@ -172,6 +189,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     axes[0][0].legend()
     if moe:
         _moe_panels(axes[2], steps, train)
+    if downstream:
+        _downstream_panel(axes[-1], downstream)
     for axis in axes[-1]:
         axis.set_xlabel("step")
     figure.suptitle(os.path.abspath(run_dir))

@@ -188,6 +188,7 @@ def replay(
                     "metrics.log_interval=1",
                     "metrics.plot=false",
                     "metrics.tensorboard=false",
+                    "eval.tasks=[]",  # steps and losses only: no downstream tasks
                 ],
             )
             started = time.perf_counter()

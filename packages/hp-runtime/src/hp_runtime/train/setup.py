@@ -33,6 +33,7 @@ from hp_runtime.train.compat import DATA_KEYS, check_compatible
 from hp_runtime.train.config import Config, check_layout, check_paths, to_toml
 from hp_runtime.train.data import Datasets, RunData, build_datasets, resolve_data
 from hp_runtime.train.dirlock import RunDirLock, hold_run_dir
+from hp_runtime.train.downstream import Downstream, Tasks
 from hp_runtime.train.errors import TrainError
 from hp_runtime.train.guard import SpikeGuard
 from hp_runtime.train.hf import check_hf_config, init_from_hf
@@ -237,6 +238,7 @@ class Run:
     meta: dict[str, Any]
     resumed_from: str | None
     held: RunDirLock  # the job's hold on the run directory, let go when the loop ends
+    downstream: Downstream | None = None  # `[eval]`'s tasks on the run's model
 
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
@@ -266,15 +268,17 @@ class Setup:
         at the end, a failure here at once)."""
         plan = checked_plan(self.config, self.runtime)
         check_paths(self.config)
+        ev = self.config.eval
+        tasks = Tasks.agreed(ev.tasks, ev.include, "eval.tasks", self.runtime) if ev.tasks else None
         data = resolve_data(self.config, plan)
         held = hold_run_dir(self.t.run_dir, self.runtime, self.stream)
         try:
-            return self.build(plan, data, held)
+            return self.build(plan, data, held, tasks)
         except BaseException:
             held.release()
             raise
 
-    def build(self, plan: BatchPlan, data: RunData, held: RunDirLock) -> Run:
+    def build(self, plan: BatchPlan, data: RunData, held: RunDirLock, tasks: Tasks | None) -> Run:
         checkpointer, candidates = self.find_checkpoints()
         self.announce()
         assembly, loss_fn, autocast_dtype = self.assemble(plan)
@@ -310,7 +314,18 @@ class Setup:
             meta,
             resumed,
             held,
+            tasks and self.downstream(tasks, assembly, autocast_dtype),
         )
+
+    def downstream(
+        self, tasks: Tasks, assembly: Assembly, autocast_dtype: torch.dtype | None
+    ) -> Downstream:
+        """`[eval]`'s tasks on the run's own model (`train/lm_eval_model.py`)."""
+        from hp_runtime.train.lm_eval_model import HpLM
+
+        lm = HpLM.of(assembly, autocast_dtype, self.config)
+        tasks.check_length(lm.max_length, "eval.tasks")
+        return Downstream(lm, tasks, self.config.eval.limit, self.runtime.device)
 
     def find_checkpoints(self) -> tuple[Checkpointer, list[str]]:
         """What to resume, decided before anything is written; HF weights to start from

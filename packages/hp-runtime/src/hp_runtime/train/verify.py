@@ -71,6 +71,7 @@ def shrink(config: Config) -> list[str]:
         "metrics.log_interval=1",
         "metrics.tensorboard=false",
         "metrics.plot=false",
+        "eval.tasks=[]",  # the shrunk model's answers would mean nothing
     ]
     if m.moe is not None:  # a table is set whole
         out.append(f"model.moe={toml_value(replace(m.moe, expert_ffn_hidden=dim))}")

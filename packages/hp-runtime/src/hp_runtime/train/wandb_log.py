@@ -15,7 +15,7 @@ from hp_data.fs import write_text
 
 from hp_runtime.train.config import WandbConfig
 
-LOGGED = ("train", "validation")  # metrics.jsonl's kinds that are curves
+LOGGED = ("train", "validation", "downstream")  # metrics.jsonl's kinds that are curves
 
 
 class WandbLog:

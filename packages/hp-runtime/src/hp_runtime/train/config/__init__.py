@@ -2,7 +2,7 @@
 dataclasses and checked before any rank does work.
 
 Sections: `model` (a preset plus any `ModelConfig` field), `data`, `parallel`, `train`, `optim`,
-`checkpoint`, `metrics`. An unknown section or key, a value of the wrong type or a missing
+`checkpoint`, `metrics`, `eval`. An unknown section or key, a value of the wrong type or a missing
 required key is a `ConfigError` whose one-line message names the key and, for a misspelling,
 the closest valid one.
 
@@ -16,6 +16,7 @@ between keys) and `paths` (the file system) on them; `values` (one value typed) 
 from hp_runtime.train.config.checks import (
     MAX_PARAMS,
     check,
+    check_eval_layout,
     check_layout,
     check_length,
     check_moe,
@@ -26,6 +27,7 @@ from hp_runtime.train.config.load import (
     Fields,
     build_config,
     build_model,
+    config_with,
     load_config,
     parse_overrides,
 )
@@ -48,6 +50,7 @@ from hp_runtime.train.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    EvalConfig,
     MetricsConfig,
     OptimConfig,
     ParallelConfig,
@@ -78,6 +81,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "Fields",
     "MetricsConfig",
     "OptimConfig",
@@ -89,12 +93,14 @@ __all__ = [
     "build_config",
     "build_model",
     "check",
+    "check_eval_layout",
     "check_layout",
     "check_length",
     "check_moe",
     "check_paths",
     "check_phases",
     "check_profile",
+    "config_with",
     "key_fields",
     "key_of",
     "load_config",

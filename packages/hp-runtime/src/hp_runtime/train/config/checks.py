@@ -4,6 +4,7 @@ each a one-line `ConfigError` naming the keys and what to do."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from hp_data.registry import dataset_type
@@ -65,6 +66,38 @@ def check(config: Config) -> None:
     check_moe(config)
     check_phases(config)
     check_float8(config)
+    check_eval(config)
+
+
+def check_eval(config: Config) -> None:
+    """`[eval]`: lm-eval installed, a tokenizer to turn the tasks' text into ids, and a layout
+    that keeps each sequence whole on a rank (`train/scorer.py`)."""
+    ev = config.eval
+    if not ev.tasks:
+        return
+    if any(not name.strip() for name in ev.tasks):
+        raise ConfigError("eval.tasks: a task name is empty; give lm-eval task names or files")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "eval.tasks: downstream evaluation needs lm-evaluation-harness: "
+            "pip install 'hp-runtime[eval]'"
+        )
+    if ev.tokenizer is None and config.data.tokenizer is None:
+        raise ConfigError(
+            "eval.tokenizer: required for eval.tasks (data.tokenizer is not set): give the "
+            "tokenizer the model was trained with (a tokenizer.json, a directory, a hub name)"
+        )
+    check_eval_layout(config.parallel.pp, config.parallel.cp, "eval.tasks")
+
+
+def check_eval_layout(pp: int, cp: int, key: str) -> None:
+    """Downstream evaluation reads each sequence's logits whole on one rank."""
+    if pp > 1 or cp > 1:
+        raise ConfigError(
+            f"{key}: downstream evaluation runs on layouts without a pipeline or context "
+            f"parallelism (parallel.pp = {pp}, parallel.cp = {cp}): evaluate the checkpoints "
+            "with hp-train eval and parallel.pp=1 parallel.cp=1"
+        )
 
 
 def check_float8(config: Config) -> None:

@@ -213,4 +213,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:  # type:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    return build_config(_merge(tree, parse_overrides(list(overrides))))
+    return config_with(tree, list(overrides))
+
+
+def config_with(tree: dict[str, Any], overrides: list[str]) -> Config:
+    """A checked `Config` from a parsed TOML tree (a file's, or the one a checkpoint stores)
+    with `overrides` (SECTION.KEY=VALUE) on top."""
+    return build_config(_merge(tree, parse_overrides(overrides)))

@@ -114,11 +114,39 @@ def check_paths(config: Config) -> None:
     if config.model_init_from is not None:
         _need("model.init_from", config.model_init_from, "dir")
     _checkpoint_dir(config)
+    check_eval_paths(config.eval.tasks, config.eval.include, config.eval.tokenizer)
     if config.checkpoint.resume not in ("auto", "none"):
         # Only its form: a path seeds an empty run directory and is ignored once the run has
         # checkpoints of its own (a deleted scratch seed must not stop a preempted run); the
         # checkpointer refuses a missing one when it would be used.
         _plain("checkpoint.resume", config.checkpoint.resume)
+
+
+def is_task_file(name: str) -> bool:
+    """An `eval.tasks` entry that names a task YAML file rather than a registered task."""
+    return name.endswith(".yaml")
+
+
+def check_eval_paths(
+    tasks: tuple[str, ...], include: tuple[str, ...], tokenizer: str | None, prefix: str = "eval."
+) -> None:
+    """`[eval]`'s task files and include directories exist, and its tokenizer is found."""
+    for name in tasks:
+        if is_task_file(name):
+            _need(f"{prefix}tasks", name, "file")
+        elif name.endswith(".yml"):  # lm-eval's index reads *.yaml only
+            raise ConfigError(
+                f"{prefix}tasks: {_shown(name)}: lm-eval reads task files named *.yaml; rename it"
+            )
+    for directory in include:
+        _need(f"{prefix}include", directory, "dir")
+    if tokenizer is not None:
+        from hp_data.tokenize import TokenizerFiles
+
+        try:
+            TokenizerFiles.locate(tokenizer)
+        except HpDataError as exc:
+            raise ConfigError(f"{prefix}tokenizer: {_reason(exc)}") from None
 
 
 def _checkpoint_dir(config: Config) -> None:

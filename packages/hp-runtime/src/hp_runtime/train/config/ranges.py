@@ -150,6 +150,9 @@ RANGES: dict[str, Range] = {
     "metrics.log_interval": _ints(1),
     "metrics.peak_tflops": POSITIVE,
     "metrics.profile_every": _ints(0),
+    "eval.interval": _ints(1),
+    "eval.limit": _ints(1),
+    "eval.batch_size": _ints(1, 4096),  # sequences a forward: more is a typo
 }
 
 

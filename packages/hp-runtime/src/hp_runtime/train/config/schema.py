@@ -198,6 +198,20 @@ class MetricsConfig:
     wandb: WandbConfig | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """`[eval]`: downstream tasks through lm-evaluation-harness (`hp-runtime[eval]`), run inside
+    the training job on its layout every `interval` steps and at the last (`train/downstream.py`);
+    `hp-train eval` reads the batch size and tokenizer from here too."""
+
+    tasks: tuple[str, ...] = ()  # lm-eval task or group names, or task YAML files; (): none
+    interval: int = 1000  # steps between evaluations
+    limit: int | None = None  # the first N documents of each task; none: all
+    batch_size: int = 8  # sequences a forward, per data-parallel rank
+    include: tuple[str, ...] = ()  # directories of the user's own task YAMLs
+    tokenizer: str | None = None  # a tokenizer.json, a directory or a hub name; none: data's
+
+
 @dataclass(frozen=True)
 class Config:
     model_preset: str
@@ -209,6 +223,7 @@ class Config:
     optim: OptimConfig
     checkpoint: CheckpointConfig
     metrics: MetricsConfig
+    eval: EvalConfig
 
 
 SECTIONS: dict[str, type] = {
@@ -218,6 +233,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
+    "eval": EvalConfig,
 }
 
 
