@@ -28,6 +28,7 @@ def test_every_part_runs_on_the_cpu(tmp_path):
         "fp32_fused_adamw", "bf16_autocast", "fsdp_world1_bf16", "activation_checkpointing",
         "document_masking", "chunked_loss", "muon", "speed_1b", "speed_8b_shaped",
         "float8_curve", "speed_8b_shaped_float8", "checkpoint_sync", "checkpoint_async",
+        "downstream",
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(out),
@@ -51,6 +52,8 @@ def test_every_part_runs_on_the_cpu(tmp_path):
     assert all(0 < error <= 1e-2 for error in curve["end_rel_errors"].values())
     saved = report["parts"]["checkpoint_async"]
     assert saved["resume_bit_identical"] and len(saved["save_seconds"]) == 2
+    scored = report["parts"]["downstream"]  # the CPU against the CPU: the same numbers
+    assert scored["fp32_max_rel_error"] == 0.0 and scored["fp32_greedy_agreement"] == 1.0
     assert f"{len(parts)} of {len(parts)} parts passed" in done.stdout
 
 

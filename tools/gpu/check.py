@@ -12,11 +12,11 @@ and of an 8B-shaped stack (its first layers only, to fit the time) with and with
 then float8 (`train.float8`, torchao): 200 steps of a 1B-shaped model on the example corpus in
 bf16 and in each recipe (each float8 curve's end within 1% of bf16's), and the 8B-shaped
 stack's speed with float8, with and without compile; then a checkpoint save (sync and async)
-and its load; on request (`--only titan`), hp-train
-against torchtitan's trainer (`tools/bench/bench_titan.py`). A part that fails is reported
-with its error and the others still run; the exit status is 1 when any failed. Everything goes to
-stdout as a table and to `--out` as JSON (`environment`, then `parts`: one object each with
-`ok`, `seconds` and its figures).
+and its load; `hp-train eval`'s loglikelihoods on the device against the CPU; on request
+(`--only titan`), hp-train against torchtitan's trainer (`tools/bench/bench_titan.py`). A part
+that fails is reported with its error and the others still run; the exit status is 1 when any
+failed. Everything goes to stdout as a table and to `--out` as JSON (`environment`, then
+`parts`: one object each with `ok`, `seconds` and its figures).
 
 Tolerances (relative, on each of the first steps' losses): fp32 paths 1e-3 (the device's
 kernels sum in another order; errors grow over the optimizer steps), bf16 paths 3e-2 (bf16 has
@@ -292,6 +292,57 @@ class Check:
             "resume_bit_identical": resumed["losses"] == tail,
         }
 
+    # -- hp-train eval's scorer (issue 47) ----------------------------------------------------
+
+    def downstream(self) -> dict[str, Any]:
+        """The loglikelihoods and greedy flags `hp-train eval` computes for 256 random
+        requests of one checkpoint, on the device (fp32 and bf16) against the CPU in fp32;
+        requests a second on the device in bf16 (batch 16)."""
+        import numpy as np
+        from hp_runtime.train.eval_checkpoint import checkpoint_model, stored_config
+
+        name = "downstream"
+        self.train(
+            name,
+            [
+                *self.base(name),
+                "train.device=cpu",
+                f"checkpoint.interval={self.steps}",
+                "model.vocab_size=8192",  # the tokenizer's, which eval checks
+            ],
+        )
+        checkpoint = str(self.work / name / "checkpoints" / f"step-{self.steps:07d}")
+        draw = np.random.default_rng(0)
+        inputs, targets = [], []
+        for _ in range(256):
+            row = draw.integers(0, 256, int(draw.integers(8, self.seq))).tolist()
+            inputs.append(row)
+            scored = int(draw.integers(1, 6))  # the row's last scored - 1 tokens and one more
+            targets.append(row[len(row) - scored + 1 :] + [int(draw.integers(0, 256))])
+        answers, seconds = {}, {}
+        for device, precision in (("cpu", "fp32"), (self.device, "fp32"), (self.device, "bf16")):
+            config = stored_config(checkpoint, [
+                f"train.device={device}", f"train.mixed_precision={precision}",
+                "eval.batch_size=16", f"eval.tokenizer={REPO / 'examples' / 'tokenizer.json'}",
+            ])  # fmt: skip
+            from hp_runtime.train.launch import start
+
+            lm = checkpoint_model(checkpoint, config, start(device, config.train.cpu_threads))
+            begin = time.perf_counter()
+            answers[(device, precision)] = lm.scorer.logprobs(inputs, targets)
+            seconds[(device, precision)] = time.perf_counter() - begin
+        reference = np.array(answers[("cpu", "fp32")][0])
+        out: dict[str, Any] = {"ok": True}
+        for precision, tolerance in (("fp32", FP32_TOL), ("bf16", BF16_TOL)):
+            got, greedy = answers[(self.device, precision)]
+            error = float(np.max(np.abs(np.array(got) - reference) / np.abs(reference)))
+            same = np.mean(np.array(greedy) == np.array(answers[("cpu", "fp32")][1]))
+            out[f"{precision}_max_rel_error"] = error
+            out[f"{precision}_greedy_agreement"] = float(same)
+            out["ok"] &= error <= tolerance
+        out["requests_per_s_bf16"] = len(inputs) / seconds[(self.device, "bf16")]
+        return out
+
 
 def compare(got: list[float], expected: list[float], tolerance: float) -> dict[str, Any]:
     errors = [abs(g - e) / max(abs(e), 1e-12) for g, e in zip(got, expected, strict=True)]
@@ -374,6 +425,7 @@ def parts(check: Check) -> dict[str, Callable[[], dict[str, Any]]]:
         ),
         "checkpoint_sync": lambda: check.checkpoint(False),
         "checkpoint_async": lambda: check.checkpoint(True),
+        "downstream": check.downstream,
         "titan": check.titan,  # opt-in (OPT_IN)
     }
 
