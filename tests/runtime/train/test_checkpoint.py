@@ -98,8 +98,11 @@ def _logged_steps(run: Path) -> int:
 
 
 LAYOUTS = {
-    # Muon: its momentum and its sharded iteration (AdamW beside it: the other layouts' own)
-    "fsdp2-muon": (2, ["parallel.dp_shard=2", "optim.name=muon"]),
+    # Muon: its momentum and its sharded iteration (AdamW beside it: the other layouts' own).
+    # The iteration in float32: on a CPU without bfloat16 instructions (CI's) a bfloat16
+    # matmul is ~30x a float32 one, and the default iteration made a step 5 s, not 0.3 s.
+    "fsdp2-muon": (2, ["parallel.dp_shard=2", "optim.name=muon",
+                       "optim.muon.ns_dtype=float32"]),
     "pp2-tied": (2, ["parallel.pp=2", "model.tie_embeddings=true",
                      "train.global_batch_size=4"]),
     # DeepSeek-V3's shape (latent attention, YaRN, grouped sigmoid routing, the balancing
