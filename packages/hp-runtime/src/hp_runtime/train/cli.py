@@ -253,11 +253,9 @@ def blame_command(run_dir: str, step: int, as_json: bool, losses: bool) -> None:
     click.echo(json.dumps(report, indent=1) if as_json else table(report))
 
 
-def _listed(text: str | None) -> str | None:
-    """A comma-separated option as a TOML list override's value."""
-    if text is None:
-        return None
-    return "[" + ", ".join(json.dumps(p.strip()) for p in text.split(",") if p.strip()) + "]"
+def _listed(text: str | None) -> tuple[str, ...]:
+    """A comma-separated option's items."""
+    return tuple(p.strip() for p in (text or "").split(",") if p.strip())
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -298,21 +296,19 @@ def eval_command(
     )
 
     rank = int(os.environ.get("RANK", "0"))
-    asked = {
-        "eval.tasks": _listed(tasks),
-        "eval.include": _listed(include),
+    names, directories = _listed(tasks), _listed(include)
+    if not names:
+        _fail("--tasks: give lm-eval task names or task YAML files, comma-separated", 2, rank)
+    asked = {  # as overrides: a TOML list (JSON's form of one) and string, and numbers
+        "eval.tasks": json.dumps(names),
+        "eval.include": json.dumps(directories) if include is not None else None,
         "eval.limit": limit,
         "eval.tokenizer": tokenizer and json.dumps(tokenizer),
         "eval.batch_size": batch_size,
     }
     given = [f"{k}={v}" for k, v in asked.items() if v is not None]
-    if asked["eval.tasks"] == "[]":
-        _fail("--tasks: give lm-eval task names or task YAML files, comma-separated", 2, rank)
     try:
-        check_eval_paths(
-            tuple(json.loads(_listed(tasks) or "[]")), tuple(json.loads(_listed(include) or "[]")),
-            tokenizer, prefix="--",
-        )  # fmt: skip
+        check_eval_paths(names, directories, tokenizer, prefix="--")
         if output is not None:
             check_output(output)
         config = stored_config(checkpoint, [*overrides, *given])

@@ -14,6 +14,8 @@ import os
 import tomllib
 from typing import Any
 
+from hp_data.fs import write_text
+
 from hp_runtime.train.checkpoint_format import CheckpointError, read_meta
 from hp_runtime.train.checkpoint_remote import opened
 from hp_runtime.train.config import Config, config_with
@@ -98,12 +100,7 @@ def write_results(results: dict[str, Any], out: str) -> None:
 
     check_output(out)
     text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    partial = f"{out}.partial-{os.getpid()}"
     try:
-        with open(partial, "w", encoding="utf-8") as stream:
-            stream.write(text + "\n")
-        os.replace(partial, out)
+        write_text(out, text + "\n")
     except OSError as exc:
-        if os.path.exists(partial):
-            os.remove(partial)
         raise TrainError(f"--output {out}: {exc.strerror or exc}") from None
