@@ -183,6 +183,7 @@ def _numeric(kind) -> bool:
 
 def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
     from hp_runtime.model.config import MLAConfig, MoEConfig, MTPConfig
+    from hp_runtime.parallel.options import FaultTolerance
     from hp_runtime.train.config import BatchRamp, key_fields
     from hp_runtime.train.config.schema import Muon
 
@@ -195,7 +196,15 @@ def test_every_numeric_key_has_a_range_and_its_default_is_in_it():
     numeric |= {f"train.batch_ramp.{f.name}" for f in key_fields(BatchRamp)}  # all integers
     hints = typing.get_type_hints(Muon)
     numeric |= {f"optim.muon.{f.name}" for f in key_fields(Muon) if _numeric(hints[f.name])}
+    hints = typing.get_type_hints(FaultTolerance)
+    numeric |= {
+        f"parallel.fault_tolerance.{f.name}"
+        for f in key_fields(FaultTolerance)
+        if _numeric(hints[f.name])
+    }
     assert numeric == set(RANGES)
+    for key in (k for k in RANGES if k.startswith("parallel.fault_tolerance.")):
+        assert getattr(FaultTolerance(), key.split(".")[2]) in RANGES[key], key
     for key in (k for k in RANGES if k.startswith("optim.muon.")):
         assert getattr(Muon(), key.split(".")[2]) in RANGES[key], key
     defaults = MoEConfig(experts=1, top_k=1, expert_ffn_hidden=1)
@@ -762,6 +771,7 @@ WITH_TABLE = {
     "metrics.wandb": ['metrics.wandb={project = "p", mode = "offline"}'],
     "train.float8": ["model.ffn_hidden=128", "train.float8.recipe=rowwise"],
     "optim.muon": ["optim.name=muon", "optim.muon={lr = 0.02}"],
+    "parallel.fault_tolerance": ["parallel.fault_tolerance={groups = 2, min_replicas = 1}"],
 }  # fmt: skip
 
 

@@ -6,7 +6,8 @@ knob is added here, used in `parallelize` or `assemble`, and documented, and not
 on the way. Plain values only (no torch types): the config reads and writes them as TOML.
 
 `Float8` is `train.float8`'s table: which linears run in float8 and how (`float8.py` applies
-it, first in `parallelize`).
+it, first in `parallelize`). `FaultTolerance` is `parallel.fault_tolerance`'s: replica groups
+(torchft) across which the gradients are averaged, one torchrun job each (`train/replicas.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,27 @@ class ParallelOptions:
     # FSDP frees each block's gathered parameters after its forward ("always") or keeps them
     # for the backward ("never": one all-gather a step instead of two, more memory).
     fsdp_reshard_after_forward: Literal["always", "never"] = "always"
+    # Replica groups that drop out and heal without a restart (torchft); none: one job.
+    fault_tolerance: FaultTolerance | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultTolerance:
+    """`parallel.fault_tolerance = {replica_group, groups, lighthouse, min_replicas,
+    quorum_timeout_s}`: this job is replica group `replica_group` of `groups`, each one
+    torchrun job holding a whole copy of the model (its own dp_shard x tp inside). Across the
+    groups the gradients are averaged through torchft's managed process group; the groups in
+    each step's quorum are the lighthouse's (`lighthouse`: its URL; none: $TORCHFT_LIGHTHOUSE)
+    answer. A step commits with at least `min_replicas` groups; a quorum that cannot form in
+    `quorum_timeout_s` stops the job in one line. Group g trains the same share of every
+    step's global batch (data-parallel ranks g x dp .. (g + 1) x dp - 1); a group missing
+    from a step's quorum leaves its share untrained, recorded (`train/replicas.py`)."""
+
+    replica_group: int = 0
+    groups: int = 2
+    lighthouse: str | None = None
+    min_replicas: int = 1
+    quorum_timeout_s: float = 60.0
 
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]

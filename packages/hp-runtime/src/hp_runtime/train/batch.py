@@ -156,7 +156,8 @@ def _check_ramp(config: Config, plan: BatchPlan) -> None:
 def batch_plan(config: Config) -> BatchPlan:
     """Global batch = micro-batch x data-parallel size x accumulation steps, checked."""
     p, t = config.parallel, config.train
-    dp = p.dp_replicate * p.dp_shard
+    groups = 1 if p.fault_tolerance is None else p.fault_tolerance.groups  # each a replica
+    dp = p.dp_replicate * p.dp_shard * groups
     gbs = t.global_batch_size or t.micro_batch_size * dp
     if gbs % (t.micro_batch_size * dp):
         raise ConfigError(

@@ -140,6 +140,7 @@ class Loop:
         self.metrics.mark(self.state.step)
         self.watchdog.start()
         try:
+            self.join_replicas()
             with self.signals:
                 for step in range(self.state.step + 1, (last or self.t.steps) + 1):
                     lr = self.step(step)
@@ -167,6 +168,8 @@ class Loop:
             for loader in (self.loader, self.run.valid_loader):
                 if loader is not None:
                     loader.close()
+            if self.run.replicas is not None:
+                self.run.replicas.close()
             self.metrics.close()
         self.plot()
         return self.result
@@ -186,7 +189,7 @@ class Loop:
             time_limit=self.near_time_limit(),
             save_failed=run.checkpointer.save_failed(),
         )
-        loss, stop, self.moe = run.stepper.train_step(micro, count, request.encode())
+        loss, stop = self.forward_backward(step, micro, count, request.encode())
         self.watchdog.beat(step, "update")
         if self.on_gradients is not None:
             self.on_gradients(step, micro)
@@ -207,6 +210,42 @@ class Loop:
         self.watchdog.step_done(self.step_times[-1])
         self.profiler.after(step)
         return lr
+
+    def forward_backward(
+        self, step: int, micro: list[Batch], count: int, request: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's loss, stop request and gradients; with replica groups, averaged over the
+        groups of its quorum, the step trained again until one commits (`train/replicas.py`)."""
+        run, replicas = self.run, self.run.replicas
+        while True:
+            loss, stop, self.moe = run.stepper.train_step(micro, count, request)
+            if replicas is None:
+                return loss, stop
+            averaged = replicas.average(loss, self.state.modules)
+            if averaged is not None:
+                break
+            self.state.optimizer.zero_grad(set_to_none=True)
+        first = self.state.consumed_samples
+        plan = run.plan
+        record = replicas.record(step, first, count, plan.micro_batch_size, plan.dp_size)
+        if record is not None:
+            self.metrics.write(record)
+        return averaged, stop
+
+    def join_replicas(self) -> None:
+        """With replica groups: the first quorum; a group that healed from a peer reads its
+        samples from the peer's step on."""
+        replicas = self.run.replicas
+        if replicas is None or not replicas.join():
+            return
+        self.run.assembly.weights_changed()
+        if self.loader is not None:
+            self.loader.restart(self.state.consumed_samples)
+        self.metrics.say(
+            f"hp-train: replica group {replicas.ft.replica_group} healed from a peer at step "
+            f"{self.state.step}"
+        )
+        self.metrics.write({"kind": "healed", "step": self.state.step})
 
     def guard(self, step: int, values: torch.Tensor) -> bool:
         """The spike guard's verdict on this step, before its update (one device sync); True

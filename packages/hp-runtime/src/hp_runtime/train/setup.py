@@ -43,6 +43,7 @@ from hp_runtime.train.metrics import MetricsLog, Throughput, continue_log, peak_
 from hp_runtime.train.migrate import as_phased
 from hp_runtime.train.mixrecord import write_record
 from hp_runtime.train.optim import build_optimizer
+from hp_runtime.train.replicas import Replicas
 from hp_runtime.train.state import TrainState
 from hp_runtime.train.step import Stepper, TokenLoss
 
@@ -239,6 +240,7 @@ class Run:
     resumed_from: str | None
     held: RunDirLock  # the job's hold on the run directory, let go when the loop ends
     downstream: Downstream | None = None  # `[eval]`'s tasks on the run's model
+    replicas: Replicas | None = None  # `parallel.fault_tolerance`'s groups (torchft)
 
 
 def setup(config: Config, runtime: Runtime, stream: TextIO, started: float | None = None) -> Run:
@@ -315,6 +317,7 @@ class Setup:
             resumed,
             held,
             tasks and self.downstream(tasks, assembly, autocast_dtype),
+            self.replicas(state),
         )
 
     def downstream(
@@ -326,6 +329,10 @@ class Setup:
         lm = HpLM.of(assembly, autocast_dtype, self.config)
         tasks.check_length(lm.max_length, "eval.tasks")
         return Downstream(lm, tasks, self.config.eval.limit, self.runtime.device)
+
+    def replicas(self, state: TrainState) -> Replicas | None:
+        ft = self.config.parallel.fault_tolerance
+        return None if ft is None else Replicas(ft, self.runtime, state)
 
     def find_checkpoints(self) -> tuple[Checkpointer, list[str]]:
         """What to resume, decided before anything is written; HF weights to start from
@@ -445,6 +452,9 @@ class Setup:
         if not reads or state.step >= self.t.steps:
             return None, None
         d, device, rank = self.config.data, self.runtime.device, assembly.dp_rank
+        ft = self.config.parallel.fault_tolerance
+        if ft is not None:  # group g reads the ranks g x dp .. (g + 1) x dp - 1 of groups x dp
+            rank += ft.replica_group * assembly.dp_size
         loader = Loader(
             datasets.train,
             plan,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 
 from hp_data.registry import dataset_type
 
 from hp_runtime.parallel.options import MULTIPLE
+from hp_runtime.train.config.messages import _shown
 from hp_runtime.train.config.schema import Config, MetricsConfig
 from hp_runtime.train.errors import ConfigError
 
@@ -67,6 +69,7 @@ def check(config: Config) -> None:
     check_phases(config)
     check_float8(config)
     check_eval(config)
+    check_fault_tolerance(config)
 
 
 def check_eval(config: Config) -> None:
@@ -88,6 +91,38 @@ def check_eval(config: Config) -> None:
             "tokenizer the model was trained with (a tokenizer.json, a directory, a hub name)"
         )
     check_eval_layout(config.parallel.pp, config.parallel.cp, "eval.tasks")
+
+
+def check_fault_tolerance(config: Config) -> None:
+    """`parallel.fault_tolerance` (`train/replicas.py`): torchft installed, this group one of
+    the groups, a layout whose replicas are the groups."""
+    ft, p = config.parallel.fault_tolerance, config.parallel
+    if ft is None:
+        return
+    key = "parallel.fault_tolerance"
+    if ft.replica_group >= ft.groups:
+        raise ConfigError(
+            f"{key}.replica_group = {ft.replica_group} is not one of groups = {ft.groups} "
+            f"(0 to {ft.groups - 1}): give each torchrun job its own group number"
+        )
+    if ft.min_replicas > ft.groups:
+        raise ConfigError(
+            f"{key}.min_replicas = {ft.min_replicas} is more than groups = {ft.groups}: no "
+            "step could commit"
+        )
+    if ft.lighthouse is not None and not re.fullmatch(r"https?://[^/\s:]+:\d+/?", ft.lighthouse):
+        raise ConfigError(
+            f"{key}.lighthouse = {_shown(ft.lighthouse)}: give the lighthouse's URL, "
+            "http://HOST:PORT (what torchft_lighthouse prints)"
+        )
+    if p.dp_replicate > 1 or p.pp > 1:
+        raise ConfigError(
+            f"{key}: the replica groups are the run's replicas: set parallel.dp_replicate = 1 "
+            f"and parallel.pp = 1 (got {p.dp_replicate} and {p.pp}); shard inside a group "
+            "with dp_shard and tp"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"{key}: replica groups need torchft: pip install 'hp-runtime[ft]'")
 
 
 def check_eval_layout(pp: int, cp: int, key: str) -> None:
