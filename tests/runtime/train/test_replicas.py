@@ -30,7 +30,7 @@ MODEL = [
     "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
     "data.num_workers=0", "optim.decay_style=constant",
 ]  # fmt: skip
-STEPS, KILL_AT = 100, 5
+STEPS, KILL_AT = 160, 5  # the restart takes ~80 steps of the survivor: 2x that to spare
 
 
 @pytest.fixture
