@@ -7,6 +7,7 @@ steps it missed, as the sampler gives them."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -16,21 +17,37 @@ from pathlib import Path
 import pytest
 import torch
 from hp_data.sampler import PretrainingSampler
+from hp_runtime.train.checkpoint_format import read_meta
 
-from tests.helpers.train import TORCHRUN, hp_train_here, records, signal_tree
+from tests.helpers.train import (
+    TORCHRUN,
+    corpus_overrides,
+    hp_train_here,
+    records,
+    signal_tree,
+)
 
+os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum at info
 pytest.importorskip("torchft")
 
 # ~0.3 s a step a group on CI's CPU: a kill lands mid-run and the restart (a new torchrun,
 # torch imported again) comes back while the other group still trains.
 MODEL = [
-    "data.type=dummy", "data.seq_length=64", "model.vocab_size=4096", "model.dim=256",
+    "data.type=dummy", "data.seq_length=64", "model.vocab_size=8192", "model.dim=256",
     "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=688",
     "train.micro_batch_size=2", "train.global_batch_size=8", "train.cpu_threads=1",
     "metrics.log_interval=1", "metrics.plot=false", "metrics.tensorboard=false",
     "data.num_workers=0", "optim.decay_style=constant",
 ]  # fmt: skip
 STEPS, KILL_AT = 160, 5  # the restart takes ~80 steps of the survivor: 2x that to spare
+# A group's layout: (ranks, keys); global batch 8 over 2 groups x the group's data-parallel ranks
+LAYOUTS = {"1-rank": (1, []), "fsdp2": (2, ["parallel.dp_shard=2"])}
+
+
+@pytest.fixture(scope="module")
+def corpus(example_corpus, example_tokenizer, tmp_path_factory):
+    """The shipped corpus (its samples have records `hp-train blame` finds)."""
+    return corpus_overrides(example_corpus, example_tokenizer, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture
@@ -43,15 +60,16 @@ def lighthouse():
     server.shutdown()
 
 
-def _args(group: int, url: str, run: Path, steps: int = STEPS) -> list[str]:
+def _args(group: int, url: str, run: Path, steps: int = STEPS, *extra: str) -> list[str]:
     ft = f'{{replica_group = {group}, groups = 2, lighthouse = "{url}", quorum_timeout_s = 60}}'
-    return [*MODEL, f"train.steps={steps}", f"checkpoint.interval={steps}",
+    return [*MODEL, f"train.steps={steps}", f"checkpoint.interval={steps}", *extra,
             f"parallel.fault_tolerance={ft}", f"train.run_dir={run / f'g{group}'}"]  # fmt: skip
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
+def _start(args: list[str], log: Path, nproc: int = 1) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [TORCHRUN, "--nproc-per-node=1", "--standalone", "-m", "hp_runtime.train", *args]
+    command = [TORCHRUN, f"--nproc-per-node={nproc}", "--standalone", "-m", "hp_runtime.train"]
+    command += args
     with open(log, "ab") as out:
         return subprocess.Popen(
             command, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT
@@ -85,29 +103,35 @@ def _model(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_killed_group_heals_and_the_other_never_stops(tmp_path, lighthouse):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_group_heals_and_the_other_never_stops(tmp_path, lighthouse, corpus, layout):
+    nproc, keys = LAYOUTS[layout]
     reference, run = tmp_path / "reference", tmp_path / "run"
     logs = {name: tmp_path / f"{name}.log" for name in ("r0", "r1", "g0", "g1", "g1-again")}
+
+    def start(group: int, where: Path, log: str, steps: int = STEPS) -> subprocess.Popen:
+        return _start(_args(group, lighthouse, where, steps, *corpus, *keys), logs[log], nproc)
+
     # the run without a kill, as far as the kill (a constant lr: the steps after change nothing)
-    both = [_start(_args(g, lighthouse, reference, KILL_AT), logs[f"r{g}"]) for g in (0, 1)]
+    both = [start(g, reference, f"r{g}", KILL_AT) for g in (0, 1)]
     for g, process in enumerate(both):
         _wait(process, logs[f"r{g}"])
 
-    g0 = _start(_args(0, lighthouse, run), logs["g0"])
-    g1 = _start(_args(1, lighthouse, run), logs["g1"])
-    deadline = time.monotonic() + 240
+    g0, g1 = start(0, run, "g0"), start(1, run, "g1")
+    deadline = time.monotonic() + 300
     while len(_steps(run / "g1")) < KILL_AT:
         assert g1.poll() is None and time.monotonic() < deadline, logs["g1"].read_text()[-2000:]
         time.sleep(0.01)
     signal_tree(g1.pid, signal.SIGKILL)
     killed = time.monotonic()
     g1.wait()
-    again = _start(_args(1, lighthouse, run), logs["g1-again"])
+    again = start(1, run, "g1-again")
     while not records(run / "g1", "healed"):
         assert again.poll() is None, logs["g1-again"].read_text()[-3000:]
+        assert g0.poll() is None, "the survivor finished before the restarted group healed"
         assert time.monotonic() < deadline, "the restarted group never healed"
         time.sleep(0.05)
-    print(f"recovery: kill to healed in {time.monotonic() - killed:.1f} s")
+    print(f"recovery ({layout}): kill to healed in {time.monotonic() - killed:.1f} s")
     _wait(g0, logs["g0"])
     _wait(again, logs["g1-again"])
 
@@ -123,18 +147,30 @@ def test_a_killed_group_heals_and_the_other_never_stops(tmp_path, lighthouse):
 
     # the steps group 1 missed, and their samples: its share, as the sampler gives it
     healed = records(run / "g1", "healed")[0]["step"]
-    missed = [r for r in records(run / "g0", "replicas")]
-    assert [r["step"] for r in missed] == list(range(KILL_AT + 1, healed + 1)) or (
-        [r["step"] for r in missed] == list(range(KILL_AT + 2, healed + 1))  # died committing 6
-    )
-    for r in missed:
-        assert r["missing"] == [1] and r["groups"] == [0]
-        # global batch 8 = 2 micro-batches of 2 samples x 2 data-parallel ranks, one a group
-        sampler = PretrainingSampler(10**6, (r["step"] - 1) * 8, 2, 1, 2)
-        share = [i for batch in itertools.islice(sampler, 2) for i in batch]
+    missed = [r["step"] for r in records(run / "g0", "replicas")]
+    # (from KILL_AT + 2 when it died after committing KILL_AT + 1 but before logging it)
+    assert missed in (list(range(KILL_AT + 1, healed + 1)), list(range(KILL_AT + 2, healed + 1)))
+    dp = 2 * nproc  # the data-parallel ranks of both groups; group 1 holds the upper half
+    group1 = range(nproc, dp)
+    for r in records(run / "g0", "replicas"):
+        assert r["missing"] == [1] and r["groups"] == [0] and r["skipped_samples"] == 4
+        first = (r["step"] - 1) * 8
+        share = [i for rank in group1 for batch in
+                 itertools.islice(PretrainingSampler(10**6, first, 2, rank, dp), 8 // (2 * dp))
+                 for i in batch]  # fmt: skip
         skipped = [i for start, end in r["skipped"] for i in range(start, end)]
         assert sorted(skipped) == sorted(share), (r, share)
-        assert r["skipped_samples"] == 4
+    # in the checkpoint's data state, the survivor's and (received when it healed) the healed
+    untrained = [[1, missed[0], missed[-1]]]
+    assert read_meta(str(run / "g0" / final))["untrained"] == untrained
+    assert read_meta(str(run / "g1" / final))["untrained"] == untrained
+    # and hp-train blame says which samples of a missed step no group trained
+    step = missed[0]
+    report = json.loads(hp_train_here("blame", run / "g0", "--step", step, "--json").stdout)
+    flagged = {s["index"] for s in report["samples"] if s.get("missing_group") == 1}
+    assert flagged == {i for r in records(run / "g0", "replicas") if r["step"] == step
+                       for start, end in r["skipped"] for i in range(start, end)}  # fmt: skip
+    assert len(report["samples"]) == 8 and len(flagged) == 4
 
 
 def test_bad_values_of_each_key_are_one_line_each(tmp_path):
@@ -174,3 +210,32 @@ def test_an_unreachable_lighthouse_is_one_line(tmp_path):
     assert f"parallel.fault_tolerance.lighthouse http://127.0.0.1:{port}" in text, text[-3000:]
     rank = text.split("torch/distributed/elastic")[0]  # torchrun's own report follows
     assert "Traceback" not in rank, rank[-3000:]
+
+
+@pytest.mark.slow
+def test_a_quorum_below_min_replicas_stops_in_one_line(tmp_path, lighthouse):
+    """min_replicas = 2 and a group dies: the survivor commits nothing more and stops within
+    quorum_timeout_s, in one line, instead of waiting for ever."""
+    ft = "replica_group = {g}, groups = 2, min_replicas = 2, quorum_timeout_s = 5"
+    args = [*MODEL, "train.steps=200"]
+    runs = [
+        _start([*args, f"parallel.fault_tolerance={{{ft.format(g=g)}, lighthouse = "
+                f'"{lighthouse}"}}', f"train.run_dir={tmp_path / f'g{g}'}"],
+               tmp_path / f"g{g}.log")
+        for g in (0, 1)
+    ]  # fmt: skip
+    deadline = time.monotonic() + 240
+    while len(_steps(tmp_path / "g1")) < 3:
+        assert runs[1].poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    signal_tree(runs[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = runs[0].wait(timeout=120)
+    text = (tmp_path / "g0.log").read_text()
+    errors = [line for line in text.splitlines() if line.startswith("hp-train: error:")]
+    assert code != 0 and len(errors) == 1, text[-3000:]
+    assert "parallel.fault_tolerance" in errors[0] and "quorum_timeout_s = 5" in errors[0]
+    assert time.monotonic() - killed < 60
+    rank = text.split("torch/distributed/elastic")[0]
+    assert "Traceback" not in rank, rank[-3000:]
+    assert len(_steps(tmp_path / "g0")) < 200

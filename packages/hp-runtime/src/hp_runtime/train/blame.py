@@ -53,12 +53,14 @@ def step_samples(config: Config, step: int) -> range:
 def blame(run_dir: str, step: int, losses: dict[int, dict[str, Any]] | None = None) -> dict:
     """The stable report: `{"step": N, "samples": [{"index": I, "pieces": [{"corpus",
     "document", "tokens": [START, END], "source"}]}]}` (`loss` on each sample when `losses`,
-    from `hp-train replay --dump`, gives it)."""
+    from `hp-train replay --dump`, gives it; `missing_group` on each sample that a replica
+    group missing from the step left untrained)."""
     config = run_config(run_dir)
     ids = step_samples(config, step)
     if config.data.type == "dummy":
         raise TrainError("data.type = 'dummy': its samples are random tokens, from no corpus")
     dataset = train_split(config)
+    untrained = untrained_samples(run_dir, config, step)
     samples = []
     for index in ids:
         pieces = sample_pieces(dataset, index)
@@ -70,8 +72,31 @@ def blame(run_dir: str, step: int, losses: dict[int, dict[str, Any]] | None = No
         sample: dict[str, Any] = {"index": index, "pieces": pieces}
         if losses is not None and index in losses:
             sample["loss"] = losses[index]["loss"]
+        if index in untrained:
+            sample["missing_group"] = untrained[index]
         samples.append(sample)
     return {"step": step, "samples": samples}
+
+
+def untrained_samples(run_dir: str, config: Config, step: int) -> dict[int, int]:
+    """The samples of step `step` that no group trained, each with the replica group whose
+    share it was (`parallel.fault_tolerance`: the run's `replicas` record of the step)."""
+    ft = config.parallel.fault_tolerance
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if ft is None or not os.path.isfile(path):
+        return {}
+    missing: list[int] = []
+    with open(path) as lines:
+        for line in lines:
+            if '"replicas"' in line:
+                record = json.loads(line)
+                if record.get("kind") == "replicas" and record.get("step") == step:
+                    missing = record["missing"]
+    plan = batch_plan(config)
+    first, wide = plan.samples_after(step - 1), plan.micro_batch_size * plan.dp_size
+    share = wide // ft.groups
+    ids = step_samples(config, step)
+    return {i: (i - first) % wide // share for i in ids if (i - first) % wide // share in missing}
 
 
 def _text(piece: dict[str, Any]) -> str:
@@ -102,6 +127,8 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"step {report['step']}: {len(report['samples'])} samples"]
     for sample in report["samples"]:
         loss = f" loss {sample['loss']:.4f}" if "loss" in sample else ""
+        if "missing_group" in sample:
+            loss += f" (not trained: replica group {sample['missing_group']} was missing)"
         lines.append(f"sample {sample['index']}{loss}")
         for piece in sample["pieces"]:
             start, end = piece["tokens"]

@@ -227,7 +227,7 @@ class Loop:
             self.state.optimizer.zero_grad(set_to_none=True)
         first = self.state.consumed_samples
         plan = run.plan
-        record = replicas.record(step, first, count, plan.micro_batch_size, plan.dp_size)
+        record = replicas.account(step, first, count, plan.micro_batch_size, plan.dp_size)
         if record is not None:
             self.metrics.write(record)
         return averaged, stop

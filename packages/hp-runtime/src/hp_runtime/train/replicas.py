@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_runtime.parallel.options import FaultTolerance
 from hp_runtime.train.errors import TrainError
@@ -108,19 +109,23 @@ class Replicas:
         self.mine[ft.replica_group] = 1.0
 
     def _state_dict(self) -> dict[str, Any]:
+        """What a healing peer receives: this rank's tensors as it holds them (a DTensor's
+        local shard: the same rank of every group holds the same shard), and the scalars."""
         state = self.state
         return {
-            "modules": [m.state_dict() for m in state.modules],
-            "optimizers": [o.state_dict() for o in state.optimizer.all],
+            "modules": [_local(m.state_dict()) for m in state.modules],
+            "optimizers": [_local(o.state_dict()) for o in state.optimizer.all],
             "scalars": state.scalars(),
         }
 
     def _load(self, saved: dict[str, Any]) -> None:
         state = self.state
-        for module, tensors in zip(state.modules, saved["modules"], strict=True):
-            module.load_state_dict(tensors)
+        with torch.no_grad():
+            for module, tensors in zip(state.modules, saved["modules"], strict=True):
+                for name, target in module.state_dict().items():
+                    _shard(target).copy_(tensors[name])
         for optimizer, tensors in zip(state.optimizer.all, saved["optimizers"], strict=True):
-            optimizer.load_state_dict(tensors)
+            optimizer.load_state_dict(_as_params(optimizer, tensors))
         state.load_scalars(saved["scalars"])
         self.healed_from = state.step
 
@@ -178,16 +183,18 @@ class Replicas:
             )
         return None
 
-    def record(self, step: int, first: int, micro_batches: int, mbs: int, dp: int) -> dict | None:
-        """The `replicas` record of a committed step that some group missed (None: all in)."""
+    def account(self, step: int, first: int, micro_batches: int, mbs: int, dp: int) -> dict | None:
+        """A committed step's account: each missing group noted in the state (it goes into the
+        checkpoint and to a healing peer) and the `replicas` record (None: every group in)."""
         missing = [g for g in range(self.ft.groups) if g not in self.present]
         if not missing:
             return None
+        groups = self.ft.groups
         skipped = [
-            r
-            for g in missing
-            for r in skipped_ranges(first, micro_batches, mbs, dp, self.ft.groups, g)
+            r for g in missing for r in skipped_ranges(first, micro_batches, mbs, dp, groups, g)
         ]
+        for group in missing:
+            self.state.leave_untrained(group, step)
         return {
             "kind": "replicas",
             "step": step,
@@ -201,6 +208,40 @@ class Replicas:
         self.manager.shutdown(wait=False)
 
 
+def _shard(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tree: Any) -> Any:
+    """`tree` (a state dict) with each DTensor as this rank's shard of it."""
+    if isinstance(tree, dict):
+        return {key: _local(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_local(value) for value in tree)
+    return _shard(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _as_params(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict of local shards (`_local`) with each parameter-shaped state
+    a DTensor again, laid out as its parameter (a fresh optimizer has no state to copy into)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in saved["state"].items():
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+                entry[key] = DTensor.from_local(
+                    value.to(param.device),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+    return saved
+
+
 def _local_grads(modules: list[nn.Module]) -> list[torch.Tensor]:
     """Each parameter's gradient as this rank holds it (a DTensor's local shard): the same
     rank of every group holds the same shard, so torchft reduces them pairwise."""
@@ -208,8 +249,7 @@ def _local_grads(modules: list[nn.Module]) -> list[torch.Tensor]:
     for module in modules:
         for param in module.parameters():
             if param.grad is not None:
-                grad = param.grad
-                grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+                grads.append(_shard(param.grad))
     return grads
 
 

@@ -9,7 +9,7 @@ and needs no saving. `checkpoint.py` saves this object as it is, `checkpoint_loa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -30,6 +30,9 @@ class TrainState:
     # With `[[data.phases]]`: (step, samples) -> the phases begun and each corpus stream's
     # consumed count (`PhasePlan.state_at`), saved as meta's "mixture", compared on resume.
     mixture: Callable[[int, int], dict[str, Any]] | None = None
+    # With `parallel.fault_tolerance`: [group, first step, last step], each run of steps a
+    # replica group was missing from and left its share of the batch untrained (replicas.py).
+    untrained: list[list[int]] = field(default_factory=list)
 
     def scalars(self) -> dict[str, Any]:
         """What is saved beside the tensors (the same on every rank)."""
@@ -43,6 +46,7 @@ class TrainState:
                 if self.mixture is None
                 else {"mixture": self.mixture(self.step, self.consumed_samples)}
             ),
+            **({"untrained": [list(run) for run in self.untrained]} if self.untrained else {}),
         }
 
     def load_scalars(self, saved: dict[str, Any]) -> None:
@@ -51,6 +55,17 @@ class TrainState:
         self.guard.norms.clear()
         self.guard.losses.extend(saved["guard"]["losses"])
         self.guard.norms.extend(saved["guard"]["norms"])
+        self.untrained = [list(run) for run in saved.get("untrained", [])]
+
+    def leave_untrained(self, group: int, step: int) -> None:
+        """Replica group `group` was missing from step `step` (steps come in order)."""
+        for run in reversed(self.untrained):
+            if run[0] == group:
+                if run[2] == step - 1:
+                    run[2] = step
+                    return
+                break
+        self.untrained.append([group, step, step])
 
     def advance(self) -> None:
         """One optimizer step done (or skipped) on one global batch."""

@@ -80,9 +80,10 @@ def shrink(config: Config) -> list[str]:
 
 def one_process(global_batch: int, device: str) -> list[str]:
     """Overrides that put the same run on one process of `device`'s type: every degree 1, the
-    same global batch (so the same samples, a step each)."""
+    same global batch (so the same samples, a step each); replica groups' all in it."""
     return [
         *(f"parallel.{k}=1" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")),
+        "parallel.fault_tolerance=none",
         "parallel.pp_microbatches=none",
         "parallel.pp_virtual_stages=1",
         f"train.global_batch_size={global_batch}",
