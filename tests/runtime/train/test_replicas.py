@@ -62,7 +62,7 @@ def lighthouse():
 
 def _args(group: int, url: str, run: Path, steps: int = STEPS, *extra: str) -> list[str]:
     ft = f'{{replica_group = {group}, groups = 2, lighthouse = "{url}", quorum_timeout_s = 60}}'
-    return [*MODEL, f"train.steps={steps}", f"checkpoint.interval={steps}", *extra,
+    return [*MODEL, f"train.steps={steps}", f"checkpoint.interval={STEPS // 4}", *extra,
             f"parallel.fault_tolerance={ft}", f"train.run_dir={run / f'g{group}'}"]  # fmt: skip
 
 
@@ -144,6 +144,12 @@ def test_a_killed_group_heals_and_the_other_never_stops(tmp_path, lighthouse, co
     final = f"checkpoints/step-{STEPS:07d}"
     mine, peer = _model(run / "g1" / final), _model(run / "g0" / final)
     assert mine and all(torch.equal(mine[k], peer[k]) for k in peer)
+
+    # the periodic saves were group 0's alone; each group saved its own at the end
+    saved = {g: [p.name for p in sorted((run / f"g{g}" / "checkpoints").glob("step-*"))]
+             for g in "01"}  # fmt: skip
+    assert saved["0"] == [f"step-{s:07d}" for s in range(STEPS // 4, STEPS + 1, STEPS // 4)]
+    assert saved["1"] == [f"step-{STEPS:07d}"]
 
     # the steps group 1 missed, and their samples: its share, as the sampler gives it
     healed = records(run / "g1", "healed")[0]["step"]

@@ -324,6 +324,9 @@ class Loop:
             (interval and (step % interval == 0 or step == self.t.steps)) or self.result.stopped_by
         ):
             return False
+        replicas, ending = self.run.replicas, step == self.t.steps or self.result.stopped_by
+        if replicas is not None and not ending and not replicas.saves():
+            return False  # a periodic save is one group's: the lowest in the step's quorum
         self.settle_all()
         block = bool(self.result.stopped_by) or not self.config.checkpoint.async_save
         checkpointer.save(self.state, self.run.meta, block=block)

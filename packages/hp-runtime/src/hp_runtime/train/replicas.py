@@ -183,6 +183,12 @@ class Replicas:
             )
         return None
 
+    def saves(self) -> bool:
+        """Whether this group writes the periodic checkpoints: the lowest group in the last
+        committed step (one group for all; each writes its own at its end or a stop). A
+        group restarted from an older one of its own heals forward from the peer."""
+        return bool(self.present) and self.present[0] == self.ft.replica_group
+
     def account(self, step: int, first: int, micro_batches: int, mbs: int, dp: int) -> dict | None:
         """A committed step's account: each missing group noted in the state (it goes into the
         checkpoint and to a healing peer) and the `replicas` record (None: every group in)."""
