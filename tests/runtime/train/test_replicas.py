@@ -245,3 +245,21 @@ def test_a_quorum_below_min_replicas_stops_in_one_line(tmp_path, lighthouse):
     rank = text.split("torch/distributed/elastic")[0]
     assert "Traceback" not in rank, rank[-3000:]
     assert len(_steps(tmp_path / "g0")) < 200
+
+
+def test_two_jobs_as_one_group_are_refused_in_one_line(tmp_path, lighthouse):
+    """Both jobs say replica_group = 0: neither trains that share twice while the other
+    share goes missing; each stops at the first step, in one line."""
+    ft = f'{{replica_group = 0, groups = 2, lighthouse = "{lighthouse}", quorum_timeout_s = 30}}'
+    jobs = [_start([*MODEL, "train.steps=20", f"parallel.fault_tolerance={ft}",
+                    f"train.run_dir={tmp_path / f'job{j}'}"], tmp_path / f"job{j}.log")
+            for j in (0, 1)]  # fmt: skip
+    for j, job in enumerate(jobs):
+        assert job.wait(timeout=180) != 0
+        text = (tmp_path / f"job{j}.log").read_text()
+        errors = [line for line in text.splitlines() if line.startswith("hp-train: error:")]
+        assert errors == [
+            "hp-train: error: parallel.fault_tolerance.replica_group = 0: 2 jobs run as this "
+            "group; give each torchrun job its own replica_group"
+        ], text[-3000:]
+        assert not _steps(tmp_path / f"job{j}")

@@ -173,6 +173,12 @@ class Replicas:
         if self.manager.should_commit():
             self.committed = time.monotonic()
             counts = packed[1:].tolist()  # should_commit has synced with the host already
+            twice = [g for g, n in enumerate(counts) if n > 1.5]
+            if twice:  # two jobs would train one share twice and record another as missed
+                raise TrainError(
+                    f"{KEY}.replica_group = {twice[0]}: {int(counts[twice[0]] + 0.5)} jobs "
+                    "run as this group; give each torchrun job its own replica_group"
+                )
             self.present = [g for g, n in enumerate(counts) if n > 0.5]
             return packed[0] / max(len(self.present), 1)
         if time.monotonic() - self.committed > self.ft.quorum_timeout_s:
