@@ -25,6 +25,8 @@ from hp_runtime.train.batch import batch_plan
 from hp_runtime.train.config import Config, load_config
 from hp_runtime.train.data import check_data, resolve_data
 from hp_runtime.train.errors import TrainError
+from hp_runtime.train.plot import read_records
+from hp_runtime.train.replicas import skipped_ranges
 
 TEXT_CHARS = 80  # of each record's text in the table
 
@@ -82,21 +84,19 @@ def untrained_samples(run_dir: str, config: Config, step: int) -> dict[int, int]
     """The samples of step `step` that no group trained, each with the replica group whose
     share it was (`parallel.fault_tolerance`: the run's `replicas` record of the step)."""
     ft = config.parallel.fault_tolerance
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if ft is None or not os.path.isfile(path):
+    if ft is None or not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         return {}
-    missing: list[int] = []
-    with open(path) as lines:
-        for line in lines:
-            if '"replicas"' in line:
-                record = json.loads(line)
-                if record.get("kind") == "replicas" and record.get("step") == step:
-                    missing = record["missing"]
+    missing = [g for r in read_records(run_dir) if r.get("kind") == "replicas"
+               and r.get("step") == step for g in r["missing"]]  # fmt: skip
     plan = batch_plan(config)
-    first, wide = plan.samples_after(step - 1), plan.micro_batch_size * plan.dp_size
-    share = wide // ft.groups
-    ids = step_samples(config, step)
-    return {i: (i - first) % wide // share for i in ids if (i - first) % wide // share in missing}
+    micro_batches = plan.accumulation_at(step)
+    first, mbs, dp = plan.samples_after(step - 1), plan.micro_batch_size, plan.dp_size
+    return {
+        i: group
+        for group in set(missing)
+        for start, end in skipped_ranges(first, micro_batches, mbs, dp, ft.groups, group)
+        for i in range(start, end)
+    }
 
 
 def _text(piece: dict[str, Any]) -> str:
