@@ -85,9 +85,12 @@ def _wait(process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     assert code == 0, log.read_text()[-3000:]
 
 
-def _steps(run: Path) -> list[int]:
+def _logged(run: Path, kind: str = "train") -> list[int]:
+    """The steps of `kind` records a running group has logged so far. A restarted group with no
+    checkpoint of its own starts fresh: its earlier log is moved aside before the new one is
+    opened, so for a moment there is none."""
     try:
-        return [r["step"] for r in records(run)]
+        return [r["step"] for r in records(run, kind)]
     except (FileNotFoundError, ValueError):  # not written yet, or a line being written
         return []
 
@@ -119,14 +122,14 @@ def test_a_killed_group_heals_and_the_other_never_stops(tmp_path, lighthouse, co
 
     g0, g1 = start(0, run, "g0"), start(1, run, "g1")
     deadline = time.monotonic() + 300
-    while len(_steps(run / "g1")) < KILL_AT:
+    while len(_logged(run / "g1")) < KILL_AT:
         assert g1.poll() is None and time.monotonic() < deadline, logs["g1"].read_text()[-2000:]
         time.sleep(0.01)
     signal_tree(g1.pid, signal.SIGKILL)
     killed = time.monotonic()
     g1.wait()
     again = start(1, run, "g1-again")
-    while not records(run / "g1", "healed"):
+    while not _logged(run / "g1", "healed"):
         assert again.poll() is None, logs["g1-again"].read_text()[-3000:]
         assert g0.poll() is None, "the survivor finished before the restarted group healed"
         assert time.monotonic() < deadline, "the restarted group never healed"
@@ -231,7 +234,7 @@ def test_a_quorum_below_min_replicas_stops_in_one_line(tmp_path, lighthouse):
         for g in (0, 1)
     ]  # fmt: skip
     deadline = time.monotonic() + 240
-    while len(_steps(tmp_path / "g1")) < 3:
+    while len(_logged(tmp_path / "g1")) < 3:
         assert runs[1].poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     signal_tree(runs[1].pid, signal.SIGKILL)
@@ -244,7 +247,7 @@ def test_a_quorum_below_min_replicas_stops_in_one_line(tmp_path, lighthouse):
     assert time.monotonic() - killed < 60
     rank = text.split("torch/distributed/elastic")[0]
     assert "Traceback" not in rank, rank[-3000:]
-    assert len(_steps(tmp_path / "g0")) < 200
+    assert len(_logged(tmp_path / "g0")) < 200
 
 
 def test_two_jobs_as_one_group_are_refused_in_one_line(tmp_path, lighthouse):
@@ -262,4 +265,4 @@ def test_two_jobs_as_one_group_are_refused_in_one_line(tmp_path, lighthouse):
             "hp-train: error: parallel.fault_tolerance.replica_group = 0: 2 jobs run as this "
             "group; give each torchrun job its own replica_group"
         ], text[-3000:]
-        assert not _steps(tmp_path / f"job{j}")
+        assert not _logged(tmp_path / f"job{j}")
