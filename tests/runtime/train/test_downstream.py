@@ -473,3 +473,19 @@ def test_hp_train_eval_reads_a_checkpoint_in_object_storage(world, s3_server, tm
     assert done.returncode == 0, done.stderr
     local = _metrics(_eval_json(world, tasks="hp_mc"))
     assert _metrics(json.loads(out.read_text())) == local
+
+    # a shard damaged in the store: the fetch's own verdict, in one line, no results written
+    shard = "run/step-0000002/__0_0.distcp"
+    client = s3_client(moto)
+    data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())  # type: ignore[attr-defined]
+    data[len(data) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))  # type: ignore[attr-defined]
+    with s3_endpoint(moto):
+        done = hp_train_here(
+            "eval", f"{url}/step-0000002", "--tasks", "hp_mc", "--include", world["tasks"],
+            "--limit", LIMIT, "--tokenizer", world["tokenizer"], "--bootstrap-iters", "0",
+            "--output", tmp_path / "damaged.json", "train.cpu_threads=1",
+        )  # fmt: skip
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"s3://{bucket}/{shard}: not the bytes its commit" in done.stderr, done.stderr
+    assert not (tmp_path / "damaged.json").exists()

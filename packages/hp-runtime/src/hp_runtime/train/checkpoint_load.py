@@ -106,6 +106,23 @@ def _read_rng(path: str, runtime: Runtime) -> dict[str, Any] | None:
         raise CheckpointError(f"{file}: unreadable ({type(exc).__name__})") from None
 
 
+def _read_tensors(path: str, payload: dict[str, Any], listing: Commit | None) -> None:
+    """DCP's load of `payload` from `path`, each file checked as it is read; a remote shard's
+    failed fetch keeps its own verdict (and whether an older checkpoint may be tried)."""
+    try:
+        dcp.load(
+            payload,
+            storage_reader=storage.CheckedReader(path, listing and fetcher(listing, path)),
+            planner=storage.SafeLoadPlanner(),
+        )
+    except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
+        for failure in (getattr(exc, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointError):
+                raise CheckpointError(str(inner), inner.fallback) from None
+        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
+
+
 def load(
     path: str,
     state: TrainState,
@@ -121,18 +138,7 @@ def load(
     check_tensors(path, metadata, config)
     states = _read_rng(path, runtime) if meta["world_size"] == runtime.world_size else None
     payload = tensors(state)
-    try:
-        dcp.load(
-            payload,
-            storage_reader=storage.CheckedReader(path, listing and fetcher(listing, path)),
-            planner=storage.SafeLoadPlanner(),
-        )
-    except (Exception, CheckpointException) as exc:  # DCP's wraps every rank's failure
-        for failure in (getattr(exc, "failures", None) or {}).values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, CheckpointError):  # a remote shard's fetch: its own verdict
-                raise CheckpointError(str(inner), inner.fallback) from None
-        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
+    _read_tensors(path, payload, listing)
     if states is not None:
         try:
             rng.restore(states, runtime.device)
@@ -159,14 +165,7 @@ def load_model(
     for module in modules:
         own.update(get_model_state_dict(module, options=OPTIONS))
     payload = {"model": {k: plain(v) for k, v in own.items()}}
-    try:
-        dcp.load(
-            payload,
-            storage_reader=storage.CheckedReader(path, listing and fetcher(listing, path)),
-            planner=storage.SafeLoadPlanner(),
-        )
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}: cannot be loaded: {first_line(exc, named=True)}") from None
+    _read_tensors(path, payload, listing)
     for module in modules:
         mine = get_model_state_dict(module, options=OPTIONS)
         set_model_state_dict(module, {k: payload["model"][k] for k in mine}, options=OPTIONS)
