@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import subprocess
 import sys
 
 import fsspec
@@ -108,3 +109,35 @@ def test_s3_with_two_workers_equals_the_local_run(
     )  # fmt: skip
     assert missing.returncode == 1
     assert missing.stderr == "Error: s3://corpus-bucket/in/none.jsonl: no such file or directory\n"
+
+
+FORK_WHILE_HELD = """
+import os, sys, threading
+import fsspec.asyn
+import hp_data.remote  # its after-fork hook
+held, done = threading.Event(), threading.Event()
+def hold():
+    with fsspec.asyn.get_lock():  # as a thread does while it makes fsspec's event loop
+        held.set()
+        done.wait()
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:  # the child's first remote read makes its own loop
+    fsspec.asyn.get_loop()
+    os._exit(0)
+for _ in range(300):  # 30 s
+    finished, status = os.waitpid(pid, os.WNOHANG)
+    if finished:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    threading.Event().wait(0.1)
+os.kill(pid, 9)
+sys.exit("the forked child waited for its parent's fsspec lock")
+"""
+
+
+def test_a_child_forked_while_fsspecs_lock_is_held_makes_its_own_loop():
+    """A DataLoader worker forked while another thread held fsspec's lock (fsspec's own
+    after-fork hook leaves that lock as it was) must not wait for it forever."""
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -25,6 +25,7 @@ import functools
 import glob
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -198,8 +199,19 @@ def _quiet_lost_connections() -> None:
     loop.set_exception_handler(handler)
 
 
-if hasattr(os, "register_at_fork"):  # a forked DataLoader worker: fsspec's async clients
-    os.register_at_fork(after_in_child=_filesystem.cache_clear)  # are not fork-safe
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) makes its own filesystems (fsspec's async clients
+    are not fork-safe) and its own fsspec lock: fsspec's own after-fork hook resets its event
+    loop but not the lock that guards making one (it sets `lock`, not `_lock`), so a child
+    forked while another thread of the parent held it would wait for it forever."""
+    _filesystem.cache_clear()
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None and hasattr(asyn, "reset_lock"):
+        asyn.reset_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _options(protocol: str) -> dict[str, Any]:
