@@ -7,6 +7,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +63,14 @@ def s3_client(endpoint: str) -> object:
 
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
                         aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
+
+
+def flip_object(client: Any, bucket: str, key: str) -> None:
+    """The object at `key` with its middle byte inverted: damage in the store that keeps its
+    length."""
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
 
 
 @contextlib.contextmanager

@@ -452,7 +452,7 @@ def test_hp_train_eval_reads_a_checkpoint_in_object_storage(world, s3_server, tm
     results of the local checkpoint of that step."""
     import uuid
 
-    from tests.helpers.object_store import s3_client, s3_endpoint
+    from tests.helpers.object_store import flip_object, s3_client, s3_endpoint
 
     moto = s3_server["FSSPEC_S3_ENDPOINT_URL"]
     bucket = f"eval-{uuid.uuid4().hex[:8]}"
@@ -476,10 +476,7 @@ def test_hp_train_eval_reads_a_checkpoint_in_object_storage(world, s3_server, tm
 
     # a shard damaged in the store: the fetch's own verdict, in one line, no results written
     shard = "run/step-0000002/__0_0.distcp"
-    client = s3_client(moto)
-    data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())  # type: ignore[attr-defined]
-    data[len(data) // 2] ^= 0xFF
-    client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))  # type: ignore[attr-defined]
+    flip_object(s3_client(moto), bucket, shard)
     with s3_endpoint(moto):
         done = hp_train_here(
             "eval", f"{url}/step-0000002", "--tasks", "hp_mc", "--include", world["tasks"],

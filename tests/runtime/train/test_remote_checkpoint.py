@@ -24,7 +24,7 @@ import xxhash
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.fault_http import Faults, fault_server
-from tests.helpers.object_store import s3_client, s3_endpoint
+from tests.helpers.object_store import flip_object, s3_client, s3_endpoint
 from tests.helpers.train import (
     FAST,
     HP_TRAIN,
@@ -350,9 +350,7 @@ def test_a_damaged_object_falls_back_to_the_checkpoint_before(moto, bucket, tmp_
     shard = "run/step-0000006/__0_0.distcp"
 
     def flip(client) -> None:
-        data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())
-        data[len(data) // 2] ^= 0xFF
-        client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+        flip_object(client, bucket, shard)
 
     out = _damaged_then_again(moto, bucket, tmp_path, reference, flip)
     assert f"s3://{bucket}/{shard}: not the bytes its commit" in out
